@@ -1,0 +1,27 @@
+"""keras_multigpu: train any Keras 3 model on every device, with one call.
+
+```python
+import keras_multigpu as kmg
+
+parallel = kmg.multi_gpu_model(model)   # every GPU, or every CPU device
+parallel.compile(optimizer="sgd", loss="categorical_crossentropy")
+parallel.fit(x, y, batch_size=64 * parallel.num_replicas, epochs=10)
+model.save("trained.keras")             # a plain Keras file
+```
+
+Importing this package reads `KERAS_MULTIGPU_CPU_DEVICES` and, when it is
+set and the framework has not started, asks for that many virtual CPU
+devices.
+"""
+
+from keras_multigpu import backends as _backends
+from keras_multigpu.devices import Device, list_devices
+from keras_multigpu.devices import cpu_device_count as _cpu_device_count
+from keras_multigpu.parallel import ParallelModel, multi_gpu_model
+
+__version__ = "0.1.0"
+
+__all__ = ["Device", "ParallelModel", "list_devices", "multi_gpu_model", "__version__"]
+
+if _cpu_device_count():
+    _backends.current().configure_cpu_devices(_cpu_device_count())

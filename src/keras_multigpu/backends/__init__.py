@@ -1,0 +1,45 @@
+"""The backend seam: one module per Keras backend, the same names in each.
+
+`current()` picks the module once, from `keras.backend.backend()`. Nothing
+outside this package branches on the backend's name.
+
+Every backend module defines the names in `API`:
+
+- `configure_cpu_devices(count)`: ask for `count` virtual CPU devices; must
+  run before the framework starts. Returns False when it is too late.
+- `list_devices()`: the engine's devices as `keras_multigpu.Device` records
+  (this starts the framework).
+- `make_distribution(devices)`: the engine object that replicates variables
+  and splits each batch over `devices`.
+- `replicate(variables, distribution)`: place existing variables on every
+  device of `distribution` (models are usually built before it exists).
+- `process_index()`, `process_count()`: this host's rank and the host count.
+"""
+
+import functools
+import importlib
+
+import keras
+
+API = (
+    "configure_cpu_devices",
+    "list_devices",
+    "make_distribution",
+    "replicate",
+    "process_index",
+    "process_count",
+)
+
+BACKENDS = ("jax", "tensorflow", "torch")
+
+
+@functools.cache
+def current():
+    """Returns the module for the Keras backend in use."""
+    name = keras.backend.backend()
+    if name not in BACKENDS:
+        raise ValueError(
+            f"keras_multigpu supports the Keras backends {BACKENDS}. "
+            f"Received: KERAS_BACKEND={name!r}."
+        )
+    return importlib.import_module(f"{__name__}.{name}")

@@ -1,0 +1,194 @@
+"""Finding devices without side effects, and choosing among them.
+
+`list_devices()` answers "what could I train on?" without starting a
+framework: GPUs are counted through NVML (nvidia-ml-py), which creates no
+CUDA context and allocates no device memory, the mistake behind the old
+`multi_gpu_model` tutorials whose GPU count started a TensorFlow session.
+With no GPU it reports the CPU devices the engine will have, virtual ones
+included (`KERAS_MULTIGPU_CPU_DEVICES=N`).
+
+`select(gpus, available)` turns the user's `gpus=` argument into a list of
+devices and is where every bad value is refused with a clear message.
+"""
+
+import dataclasses
+import functools
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+CPU_DEVICES_ENV = "KERAS_MULTIGPU_CPU_DEVICES"
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """One device a replica can run on.
+
+    Attributes:
+        id: the index the engine knows it by (`gpu:1` has id 1).
+        kind: `"gpu"` or `"cpu"` (or another platform name, e.g. `"tpu"`).
+        name: a human-readable name, e.g. `"NVIDIA H100 80GB HBM3"`.
+        memory_bytes: total device memory when known, else None.
+    """
+
+    id: int
+    kind: str
+    name: str
+    memory_bytes: int | None = None
+
+    def __str__(self):
+        return f"{self.kind}:{self.id}"
+
+
+def cpu_device_count():
+    """Returns N from `KERAS_MULTIGPU_CPU_DEVICES`, or None when it is unset.
+
+    Raises:
+        ValueError: if the variable is set to something that is not a
+            positive integer.
+    """
+    raw = os.environ.get(CPU_DEVICES_ENV)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        count = int(raw)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise ValueError(
+            f"{CPU_DEVICES_ENV} must be a positive integer. Received: "
+            f"{CPU_DEVICES_ENV}={raw!r}. Set it to the number of virtual CPU "
+            "devices you want, e.g. 4, or unset it."
+        )
+    return count
+
+
+def _visible_gpu_indices(count):
+    """NVML indices that CUDA_VISIBLE_DEVICES leaves visible, in its order."""
+    raw = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if raw is None:
+        return list(range(count))
+    indices = []
+    for item in raw.split(","):
+        item = item.strip()
+        if not item.isdigit():
+            # UUIDs or MIG names: NVML order cannot be matched cheaply, and
+            # a wrong guess is worse than reporting all of them.
+            return list(range(count)) if item else indices
+        if int(item) < count:
+            indices.append(int(item))
+    return indices
+
+
+def _nvml_gpus():
+    try:
+        import pynvml
+    except ImportError:
+        return []
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return []  # No driver: a CPU-only machine.
+    try:
+        gpus = []
+        count = pynvml.nvmlDeviceGetCount()
+        for visible_id, index in enumerate(_visible_gpu_indices(count)):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            name = pynvml.nvmlDeviceGetName(handle)
+            if isinstance(name, bytes):
+                name = name.decode()
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handle).total
+            gpus.append(Device(visible_id, "gpu", name, int(memory)))
+        return gpus
+    finally:
+        pynvml.nvmlShutdown()
+
+
+@functools.cache
+def list_devices():
+    """Lists the devices training can use, without starting any framework.
+
+    GPUs come from NVML and honour `CUDA_VISIBLE_DEVICES` (ids are renumbered
+    from 0, as the frameworks do). With no GPU the list holds the CPU devices
+    the engine will create: `KERAS_MULTIGPU_CPU_DEVICES` of them, or one.
+    The answer is cached; nothing is allocated on any device.
+
+    Returns:
+        A list of `Device` records.
+
+    Example:
+
+    >>> [str(d) for d in list_devices()]  # doctest: +SKIP
+    ['gpu:0', 'gpu:1', 'gpu:2', 'gpu:3']
+    """
+    gpus = _nvml_gpus()
+    if gpus:
+        return gpus
+    count = cpu_device_count() or 1
+    return [Device(i, "cpu", "CPU" if count == 1 else "virtual CPU") for i in range(count)]
+
+
+def select(gpus, available):
+    """Chooses devices from `available` as `multi_gpu_model(gpus=...)` does.
+
+    Args:
+        gpus: None for every device; an int k for the first k (0 and 1 both
+            mean one device); a list or tuple of device ids.
+        available: the engine's devices, a list of `Device`.
+
+    Returns:
+        A non-empty list of `Device`, in the order asked for.
+
+    Raises:
+        TypeError: `gpus` is of a type other than those above.
+        ValueError: negative, too many, duplicated or unknown ids.
+    """
+    have = ", ".join(str(d.id) for d in available)
+    kind = available[0].kind
+    what = f"this machine has {len(available)} {kind.upper()} device(s) ({have})"
+    if gpus is None:
+        return list(available)
+    if isinstance(gpus, bool) or not isinstance(gpus, (int, list, tuple)):
+        raise TypeError(
+            "gpus must be None, an int or a list of device ids. Received: "
+            f"gpus={gpus!r} of type {type(gpus).__name__}."
+        )
+    if isinstance(gpus, int):
+        if gpus < 0:
+            raise ValueError(
+                f"gpus must be >= 0. Received: gpus={gpus}. Pass gpus=None "
+                "for every device, or a count such as gpus=2."
+            )
+        if gpus > len(available):
+            raise ValueError(
+                f"gpus={gpus} but {what}. Pass gpus=None for all of them, "
+                "or a list of ids."
+            )
+        return list(available[: max(gpus, 1)])
+    ids = [d.id if isinstance(d, Device) else d for d in gpus]
+    if not ids:
+        raise ValueError(
+            "gpus is an empty list. Pass gpus=None for every device, or "
+            f"list at least one id; {what}."
+        )
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise TypeError(
+                f"Device ids must be ints. Received: gpus={gpus!r} (the "
+                f"element {i!r} is a {type(i).__name__})."
+            )
+    duplicates = sorted({i for i in ids if ids.count(i) > 1})
+    if duplicates:
+        raise ValueError(
+            f"gpus lists device(s) {duplicates} more than once. Received: "
+            f"gpus={gpus!r}. Each device can hold one replica; list each id once."
+        )
+    by_id = {d.id: d for d in available}
+    unknown = [i for i in ids if i not in by_id]
+    if unknown:
+        raise ValueError(
+            f"gpus names unknown device id(s) {unknown}: {what}. Received: "
+            f"gpus={gpus!r}."
+        )
+    return [by_id[i] for i in ids]
