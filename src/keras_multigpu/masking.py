@@ -11,8 +11,8 @@ hence exactly its gradients. Reductions that already divide by the weights
 ("mean_with_sample_weight") or do not divide ("sum") need no factor.
 
 Metrics get the mask as their sample weight (weighted metrics get
-weights * mask), and the loss tracker weighs each batch by its real rows, so
-epoch-level logs equal one device's too.
+weights * mask), and the loss trackers (the total and each output's) weigh
+each batch by its real rows, so epoch-level logs equal one device's too.
 """
 
 import keras
@@ -74,13 +74,23 @@ def scales_by_rows(loss):
 def compute_loss(model, y, y_pred, weights, mask, scale_by_rows):
     """The total loss of the real rows; records it in the loss tracker."""
     rows = ops.sum(mask)
+    padded = ops.cast(ops.shape(mask)[0], rows.dtype)
     losses = []
     if model._compile_loss is not None:
+        # Per-output loss trackers ("cls_loss") are updated inside the call
+        # below, weighted by the padded row count: re-weigh them after it.
+        trackers = [m for m in model._compile_loss.metrics if isinstance(m, keras.metrics.Mean)]
+        before = [(m.total.value, m.count.value) for m in trackers]
         loss = model._compile_loss(y, y_pred, weights)
+        for tracker, (total, count) in zip(trackers, before):
+            added = tracker.total.value - total  # value * padded
+            if not scale_by_rows:
+                added = added * ops.cast(rows / padded, added.dtype)
+            tracker.total.assign(total + added)
+            tracker.count.assign(count + ops.cast(rows, count.dtype))
         if loss is not None:
             if scale_by_rows:
-                padded = ops.cast(ops.shape(mask)[0], loss.dtype)
-                loss = loss * (padded / ops.cast(rows, loss.dtype))
+                loss = loss * ops.cast(padded / rows, loss.dtype)
             losses.append(loss)
     losses.extend(model._aggregate_additional_loss(loss) for loss in model.losses)
     total = ops.sum(ops.stack(losses)) if losses else ops.zeros(())

@@ -104,17 +104,27 @@ class ParallelModel(keras.Model):
     def call(self, inputs, training=None):
         return self.template(inputs, training=training)
 
+    def _replicate_state(self):
+        variables = list(self.template.variables) + list(self.metrics_variables)
+        if self.optimizer is not None:
+            # Includes the iteration count and learning rate, which exist
+            # before the optimizer is built.
+            variables += list(self.optimizer.variables)
+        self._backend.replicate(variables, self._distribution)
+
     @contextlib.contextmanager
     def _placed(self):
         """The distribution scope, with every existing variable replicated."""
         with self._distribution.scope():
-            variables = list(self.template.variables) + list(self.metrics_variables)
-            if self.optimizer is not None:
-                # Includes the iteration count and learning rate, which exist
-                # before the optimizer is built.
-                variables += list(self.optimizer.variables)
-            self._backend.replicate(variables, self._distribution)
+            self._replicate_state()
             yield
+
+    def _symbolic_build(self, *args, **kwargs):
+        # Keras builds the compiled metrics here, and metric objects the user
+        # made (e.g. keras.metrics.AUC()) created their variables outside the
+        # scope: place them before the step is compiled.
+        super()._symbolic_build(*args, **kwargs)
+        self._replicate_state()
 
     # -- compile ---------------------------------------------------------
 

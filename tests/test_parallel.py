@@ -1,0 +1,302 @@
+"""N devices give one device's results: weights, logs, evaluate and predict."""
+
+import keras
+import numpy as np
+import pytest
+from conftest import assert_weights_close, classification_data
+
+import keras_multigpu as kmg
+
+
+def compile_sgd(model, lr=0.1, **kwargs):
+    model.compile(
+        optimizer=keras.optimizers.SGD(lr, momentum=0.9),
+        loss="categorical_crossentropy",
+        metrics=["accuracy"],
+        **kwargs,
+    )
+    return model
+
+
+def train_both(build, x, y, gpus, batch_size, epochs=2, **fit_kwargs):
+    """Trains one reference model on one device and one ParallelModel."""
+    reference = compile_sgd(build())
+    ref_history = reference.fit(
+        x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0, **fit_kwargs
+    )
+    template = build()
+    parallel = compile_sgd(kmg.multi_gpu_model(template, gpus=gpus))
+    history = parallel.fit(
+        x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0, **fit_kwargs
+    )
+    return reference, ref_history, template, parallel, history
+
+
+def assert_history_close(a, b):
+    assert a.history.keys() == b.history.keys()
+    for key in a.history:
+        np.testing.assert_allclose(a.history[key], b.history[key], rtol=1e-5, err_msg=key)
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize(
+    "num_samples, batch_size",
+    [(100, 30), (64, 16), (10, 3), (7, 16), (33, 8)],
+    ids=["uneven-last", "even", "batch-below-devices", "one-short-batch", "tiny-last"],
+)
+def test_training_equals_one_device(dense_model, gpus, num_samples, batch_size):
+    x, y = classification_data(num_samples)
+    reference, ref_history, template, parallel, history = train_both(
+        dense_model, x, y, gpus, batch_size
+    )
+    assert parallel.num_replicas == gpus
+    assert_weights_close(reference.get_weights(), template.get_weights())
+    assert_history_close(ref_history, history)
+    np.testing.assert_allclose(
+        reference.evaluate(x, y, batch_size=batch_size, verbose=0),
+        parallel.evaluate(x, y, batch_size=batch_size, verbose=0),
+        rtol=1e-5,
+    )
+    expected = reference.predict(x, batch_size=batch_size, verbose=0)
+    predicted = parallel.predict(x, batch_size=batch_size, verbose=0)
+    assert predicted.shape == (num_samples, 3)
+    np.testing.assert_allclose(expected, predicted, atol=1e-6)
+
+
+def test_batchnorm_statistics_equal_one_device(conv_bn_model):
+    """Batch statistics are over the global batch, as on one device."""
+    x, y = classification_data(64, features=(8, 8, 3))
+    reference, ref_history, template, _, history = train_both(
+        conv_bn_model, x, y, gpus=4, batch_size=16, epochs=3
+    )
+    bn_ref = reference.layers[1]
+    bn_par = template.layers[1]
+    np.testing.assert_allclose(bn_ref.moving_mean.numpy(), bn_par.moving_mean.numpy(), atol=1e-5)
+    np.testing.assert_allclose(
+        bn_ref.moving_variance.numpy(), bn_par.moving_variance.numpy(), atol=1e-5
+    )
+    assert_weights_close(reference.get_weights(), template.get_weights())
+    assert_history_close(ref_history, history)
+
+
+@pytest.mark.parametrize("num_samples, batch_size, gpus", [(5, 5, 8), (9, 4, 8), (1, 1, 3)])
+def test_padded_batchnorm_steps_stay_finite(conv_bn_model, num_samples, batch_size, gpus):
+    """The old multi_gpu_model left GPUs empty and BatchNorm produced NaN."""
+    x, y = classification_data(num_samples, features=(8, 8, 3))
+    template = conv_bn_model()
+    parallel = compile_sgd(kmg.multi_gpu_model(template, gpus=gpus))
+    history = parallel.fit(x, y, batch_size=batch_size, epochs=3, verbose=0)
+    for weight in template.get_weights():
+        assert np.all(np.isfinite(weight))
+    assert np.all(np.isfinite(history.history["loss"]))
+    assert np.all(np.isfinite(parallel.predict(x, verbose=0)))
+
+
+def test_template_is_the_trained_model(dense_model):
+    x, y = classification_data(40)
+    template = dense_model()
+    before = template.predict(x, verbose=0)
+    parallel = compile_sgd(kmg.multi_gpu_model(template, gpus=4))
+    parallel.fit(x, y, batch_size=8, epochs=2, verbose=0)
+    after = template.predict(x, verbose=0)
+    assert not np.allclose(before, after)
+    np.testing.assert_allclose(after, parallel.predict(x, verbose=0), atol=1e-6)
+
+
+def test_no_distribution_left_behind(dense_model):
+    x, y = classification_data(40)
+    parallel = compile_sgd(kmg.multi_gpu_model(dense_model(), gpus=4))
+    parallel.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert keras.distribution.distribution() is None
+    # A plain model trained next to it behaves as if the library were absent.
+    plain, other = compile_sgd(dense_model(seed=1)), compile_sgd(dense_model(seed=1))
+    plain.fit(x, y, batch_size=7, epochs=1, shuffle=False, verbose=0)
+    parallel.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    other.fit(x, y, batch_size=7, epochs=1, shuffle=False, verbose=0)
+    assert_weights_close(plain.get_weights(), other.get_weights(), atol=0)
+
+
+def test_sample_and_class_weights_equal_one_device(dense_model):
+    x, y = classification_data(50)
+    weights = np.random.default_rng(1).uniform(0.1, 2.0, size=50).astype("float32")
+    for kwargs in ({"sample_weight": weights}, {"class_weight": {0: 0.5, 1: 2.0, 2: 1.0}}):
+        reference, ref_history, template, _, history = train_both(
+            dense_model, x, y, gpus=3, batch_size=16, **kwargs
+        )
+        assert_weights_close(reference.get_weights(), template.get_weights())
+        assert_history_close(ref_history, history)
+
+
+def test_weighted_metrics_equal_one_device(dense_model):
+    x, y = classification_data(45)
+    weights = np.random.default_rng(2).uniform(0.1, 2.0, size=45).astype("float32")
+
+    def compile_weighted(model):
+        model.compile(
+            optimizer="sgd",
+            loss="categorical_crossentropy",
+            metrics=["accuracy"],
+            weighted_metrics=["categorical_accuracy", keras.metrics.AUC(name="auc")],
+        )
+        return model
+
+    reference = compile_weighted(dense_model())
+    expected = reference.fit(
+        x, y, sample_weight=weights, batch_size=10, epochs=2, shuffle=False, verbose=0
+    )
+    parallel = compile_weighted(kmg.multi_gpu_model(dense_model(), gpus=4))
+    history = parallel.fit(
+        x, y, sample_weight=weights, batch_size=10, epochs=2, shuffle=False, verbose=0
+    )
+    assert_history_close(expected, history)
+
+
+def test_validation_split_equals_one_device(dense_model):
+    x, y = classification_data(60)
+    _, ref_history, _, _, history = train_both(
+        dense_model, x, y, gpus=4, batch_size=9, validation_split=0.25
+    )
+    assert "val_loss" in history.history
+    assert_history_close(ref_history, history)
+
+
+def test_drop_remainder_skips_the_partial_batch(dense_model):
+    x, y = classification_data(50)
+    parallel = compile_sgd(kmg.multi_gpu_model(dense_model(), gpus=4))
+    counter = keras.callbacks.LambdaCallback()
+    steps = []
+    counter.on_train_batch_end = lambda batch, logs=None: steps.append(batch)
+    parallel.fit(x, y, batch_size=16, epochs=1, drop_remainder=True, verbose=0, callbacks=[counter])
+    assert len(steps) == 3  # 50 // 16; the 2 leftover samples are dropped.
+
+
+def test_one_compiled_step_per_shape(dense_model, monkeypatch):
+    """Tracing happens once per batch shape, not once per epoch."""
+    traces = []
+    original = kmg.ParallelModel.compute_loss
+
+    def counting(self, *args, **kwargs):
+        traces.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(kmg.ParallelModel, "compute_loss", counting)
+    x, y = classification_data(50)
+    parallel = compile_sgd(kmg.multi_gpu_model(dense_model(), gpus=4))
+    parallel.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    after_one_epoch = len(traces)
+    assert after_one_epoch > 0
+    # Epoch 1 saw both shapes (16 rows, and the last 2 padded to 4): later
+    # epochs and later fit calls reuse the compiled steps.
+    parallel.fit(x, y, batch_size=16, epochs=4, verbose=0)
+    assert len(traces) == after_one_epoch
+
+
+def test_multi_input_multi_output_equals_one_device():
+    def build():
+        keras.utils.set_random_seed(0)
+        a = keras.Input((4,), name="a")
+        b = keras.Input((3,), name="b")
+        h = keras.layers.Dense(8, activation="relu")(keras.layers.Concatenate()([a, b]))
+        out_class = keras.layers.Dense(3, activation="softmax", name="cls")(h)
+        out_reg = keras.layers.Dense(1, name="reg")(h)
+        model = keras.Model({"a": a, "b": b}, {"cls": out_class, "reg": out_reg})
+        return model
+
+    def compile_two(model):
+        model.compile(
+            optimizer="sgd",
+            loss={"cls": "categorical_crossentropy", "reg": "mse"},
+            loss_weights={"cls": 1.0, "reg": 0.5},
+            metrics={"cls": ["accuracy"], "reg": ["mae"]},
+        )
+        return model
+
+    rng = np.random.default_rng(0)
+    n = 37
+    x = {"a": rng.normal(size=(n, 4)).astype("float32"),
+         "b": rng.normal(size=(n, 3)).astype("float32")}
+    y = {"cls": keras.utils.to_categorical(rng.integers(0, 3, n), 3),
+         "reg": rng.normal(size=(n, 1)).astype("float32")}
+    reference = compile_two(build())
+    expected = reference.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0)
+    template = build()
+    parallel = compile_two(kmg.multi_gpu_model(template, gpus=3))
+    history = parallel.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0)
+    assert_weights_close(reference.get_weights(), template.get_weights())
+    assert {"cls_loss", "reg_loss"} <= set(history.history)
+    for key in history.history:
+        np.testing.assert_allclose(expected.history[key], history.history[key], rtol=1e-5)
+    predicted = parallel.predict(x, batch_size=10, verbose=0)
+    np.testing.assert_allclose(predicted["reg"], reference.predict(x, verbose=0)["reg"], atol=1e-5)
+    assert predicted["cls"].shape == (n, 3)
+
+
+class Subclassed(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(8, activation="tanh")
+        self.out = keras.layers.Dense(3, activation="softmax")
+
+    def call(self, inputs):
+        return self.out(self.hidden(inputs))
+
+
+def test_subclassed_model_equals_one_device():
+    def build():
+        keras.utils.set_random_seed(0)
+        model = Subclassed()
+        model(np.zeros((1, 6), "float32"))  # built before wrapping: the normal case
+        return model
+
+    x, y = classification_data(29)
+    reference, ref_history, template, _, history = train_both(build, x, y, gpus=4, batch_size=8)
+    assert_weights_close(reference.get_weights(), template.get_weights())
+    assert_history_close(ref_history, history)
+
+
+def test_unbuilt_subclassed_model_is_built_on_first_fit():
+    keras.utils.set_random_seed(0)
+    template = Subclassed()
+    x, y = classification_data(20)
+    parallel = compile_sgd(kmg.multi_gpu_model(template, gpus=2))
+    parallel.fit(x, y, batch_size=5, epochs=1, verbose=0)
+    assert template.built
+    assert parallel.predict(x, verbose=0).shape == (20, 3)
+
+
+def test_one_device_and_zero_give_a_parallel_model(dense_model):
+    for gpus in (0, 1, [5]):
+        parallel = kmg.multi_gpu_model(dense_model(), gpus=gpus)
+        assert isinstance(parallel, kmg.ParallelModel)
+        assert parallel.num_replicas == 1
+    assert kmg.multi_gpu_model(dense_model(), gpus=[5]).devices[0].id == 5
+
+
+def test_model_like_surface(dense_model):
+    template = dense_model()
+    parallel = kmg.multi_gpu_model(template, gpus=2)
+    assert parallel.template is template
+    assert parallel.layers == template.layers
+    assert parallel.inputs == template.inputs and parallel.outputs == template.outputs
+    assert [w.path for w in parallel.weights] == [w.path for w in template.weights]
+    weights = [w + 1.0 for w in parallel.get_weights()]
+    parallel.set_weights(weights)
+    assert_weights_close(template.get_weights(), weights, atol=0)
+    parallel.summary(print_fn=lambda *args, **kwargs: None)
+
+
+def test_on_batch_methods_equal_one_device(dense_model):
+    x, y = classification_data(7)
+    reference = compile_sgd(dense_model())
+    template = dense_model()
+    parallel = compile_sgd(kmg.multi_gpu_model(template, gpus=4))
+    np.testing.assert_allclose(
+        reference.train_on_batch(x, y), parallel.train_on_batch(x, y), rtol=1e-5
+    )
+    assert_weights_close(reference.get_weights(), template.get_weights())
+    np.testing.assert_allclose(
+        reference.test_on_batch(x, y), parallel.test_on_batch(x, y), rtol=1e-5
+    )
+    np.testing.assert_allclose(
+        reference.predict_on_batch(x), parallel.predict_on_batch(x), atol=1e-6
+    )
