@@ -3,9 +3,9 @@
 import keras
 import numpy as np
 import pytest
-from conftest import assert_weights_close, classification_data
 
 import keras_multigpu as kmg
+from conftest import assert_weights_close, classification_data
 
 
 def compile_sgd(model, lr=0.1, **kwargs):

@@ -281,6 +281,11 @@ def as_padded(x, y=None, sample_weight=None, *, batch_size=None, replicas,
         return x, x
     if x is None:
         raise ValueError("No input data. Received: x=None.")
+    if isinstance(x, (str, bytes)):
+        raise TypeError(
+            "x must be arrays, a keras.utils.PyDataset, a generator or a dataset. "
+            f"Received: x of type {type(x).__name__}."
+        )
     streaming = isinstance(x, (keras.utils.PyDataset, types.GeneratorType)) or (
         not _is_array_like(x) and hasattr(x, "__iter__") and not isinstance(x, (dict, list, tuple))
     )

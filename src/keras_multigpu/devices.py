@@ -105,13 +105,23 @@ def _nvml_gpus():
         pynvml.nvmlShutdown()
 
 
+def _xla_cpu_device_count():
+    """The count a user already asked XLA for in XLA_FLAGS, if any."""
+    for flag in os.environ.get("XLA_FLAGS", "").split():
+        name, _, value = flag.partition("=")
+        if name == "--xla_force_host_platform_device_count" and value.isdigit():
+            return int(value)
+    return None
+
+
 @functools.cache
 def list_devices():
     """Lists the devices training can use, without starting any framework.
 
     GPUs come from NVML and honour `CUDA_VISIBLE_DEVICES` (ids are renumbered
     from 0, as the frameworks do). With no GPU the list holds the CPU devices
-    the engine will create: `KERAS_MULTIGPU_CPU_DEVICES` of them, or one.
+    the engine will create: `KERAS_MULTIGPU_CPU_DEVICES` of them, else the
+    count already in `XLA_FLAGS`, else one.
     The answer is cached; nothing is allocated on any device.
 
     Returns:
@@ -125,7 +135,7 @@ def list_devices():
     gpus = _nvml_gpus()
     if gpus:
         return gpus
-    count = cpu_device_count() or 1
+    count = cpu_device_count() or _xla_cpu_device_count() or 1
     return [Device(i, "cpu", "CPU" if count == 1 else "virtual CPU") for i in range(count)]
 
 

@@ -106,7 +106,7 @@ class ParallelModel(keras.Model):
 
     def _replicate_state(self):
         variables = list(self.template.variables) + list(self.metrics_variables)
-        if self.optimizer is not None:
+        if getattr(self, "optimizer", None) is not None:
             # Includes the iteration count and learning rate, which exist
             # before the optimizer is built.
             variables += list(self.optimizer.variables)
@@ -131,6 +131,7 @@ class ParallelModel(keras.Model):
     def compile(self, optimizer="rmsprop", loss=None, **kwargs):
         # The template is compiled too, sharing the optimizer, so that a file
         # saved from it can resume training like any compiled Keras model.
+        masking.scales_by_rows(loss)  # refuse a bad loss before changing anything
         self.template.compile(optimizer=optimizer, loss=loss, **kwargs)
         self._compile_own(self.template.optimizer, loss, kwargs)
 

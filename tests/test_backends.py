@@ -1,0 +1,152 @@
+"""Tests for keras_multigpu.backends: the same names in every backend module."""
+
+import importlib
+import os
+import sys
+import warnings
+
+import jax
+import keras
+import pytest
+
+from keras_multigpu import backends
+from keras_multigpu.devices import Device
+
+UNSUPPORTED = ("tensorflow", "torch")
+
+
+def _fresh_import(monkeypatch, name):
+    """Imports keras_multigpu.backends.<name> anew; returns it and the new modules."""
+    full = f"{backends.__name__}.{name}"
+    monkeypatch.delitem(sys.modules, full, raising=False)
+    monkeypatch.delattr(backends, name, raising=False)
+    before = set(sys.modules)
+    module = importlib.import_module(full)
+    return module, set(sys.modules) - before
+
+
+def test_backend_names():
+    assert backends.BACKENDS == ("jax", "tensorflow", "torch")
+    assert len(set(backends.API)) == len(backends.API) == 6
+
+
+@pytest.mark.parametrize("name", backends.BACKENDS)
+def test_every_backend_defines_the_api(name):
+    module = importlib.import_module(f"{backends.__name__}.{name}")
+    missing = [api for api in backends.API if not callable(getattr(module, api, None))]
+    assert missing == []
+
+
+@pytest.mark.parametrize("name", UNSUPPORTED)
+def test_importing_an_unsupported_backend_imports_no_framework(monkeypatch, name):
+    module, new = _fresh_import(monkeypatch, name)
+    assert module.__name__ == f"keras_multigpu.backends.{name}"
+    frameworks = {"tensorflow", "torch"}
+    leaked = sorted(m for m in new if m.split(".")[0] in frameworks)
+    assert leaked == []
+    for framework in frameworks:
+        assert framework not in new
+
+
+@pytest.mark.parametrize("name", UNSUPPORTED)
+@pytest.mark.parametrize(
+    "api, args",
+    [
+        ("list_devices", ()),
+        ("make_distribution", ([],)),
+        ("replicate", ([], None)),
+        ("process_index", ()),
+        ("process_count", ()),
+    ],
+)
+def test_unsupported_backend_says_so(name, api, args):
+    module = importlib.import_module(f"{backends.__name__}.{name}")
+    with pytest.raises(NotImplementedError) as info:
+        getattr(module, api)(*args)
+    message = str(info.value)
+    assert f"does not support the {name!r} backend yet" in message
+    assert "KERAS_BACKEND=jax" in message
+    assert api in message
+
+
+@pytest.mark.parametrize("name", UNSUPPORTED)
+def test_unsupported_configure_cpu_devices_is_quiet(name):
+    module = importlib.import_module(f"{backends.__name__}.{name}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert module.configure_cpu_devices(2) is False
+
+
+@pytest.mark.parametrize("name", UNSUPPORTED)
+def test_unsupported_functions_are_named(name):
+    module = importlib.import_module(f"{backends.__name__}.{name}")
+    assert [getattr(module, api).__name__ for api in backends.API] == list(backends.API)
+
+
+def test_current_is_the_jax_module():
+    assert keras.backend.backend() == "jax"
+    current = backends.current()
+    assert current is importlib.import_module("keras_multigpu.backends.jax")
+    assert current is backends.current()
+
+
+@pytest.fixture
+def uncached_current():
+    backends.current.cache_clear()
+    yield
+    backends.current.cache_clear()
+
+
+def test_current_refuses_an_unknown_keras_backend(monkeypatch, uncached_current):
+    monkeypatch.setattr(keras.backend, "backend", lambda: "numpy")
+    with pytest.raises(ValueError, match=r"Received: KERAS_BACKEND='numpy'") as info:
+        backends.current()
+    assert "'jax'" in str(info.value)
+
+
+def test_current_follows_the_keras_backend(monkeypatch, uncached_current):
+    monkeypatch.setattr(keras.backend, "backend", lambda: "torch")
+    assert backends.current() is importlib.import_module("keras_multigpu.backends.torch")
+
+
+# -- the jax module in this (started) process ------------------------------------------
+
+
+def test_jax_list_devices_are_the_engine_devices():
+    jax_backend = importlib.import_module("keras_multigpu.backends.jax")
+    found = jax_backend.list_devices()
+    assert len(found) == len(jax.devices()) == 8
+    assert all(isinstance(d, Device) for d in found)
+    assert [str(d) for d in found] == [f"cpu:{i}" for i in range(8)]
+
+
+def test_jax_configure_after_start(monkeypatch):
+    jax_backend = importlib.import_module("keras_multigpu.backends.jax")
+    jax.devices()  # make sure JAX has started
+    monkeypatch.setenv("XLA_FLAGS", "--marker")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert jax_backend.configure_cpu_devices(8) is True
+    with pytest.warns(UserWarning, match=r"already started with 8 CPU device\(s\), so 3"):
+        assert jax_backend.configure_cpu_devices(3) is False
+    assert os.environ["XLA_FLAGS"] == "--marker"  # too late: nothing rewritten
+
+
+def test_jax_make_distribution_uses_the_devices_given():
+    jax_backend = importlib.import_module("keras_multigpu.backends.jax")
+    chosen = [Device(2, "cpu", "virtual CPU"), Device(5, "cpu", "virtual CPU")]
+    distribution = jax_backend.make_distribution(chosen)
+    devices = distribution.device_mesh.devices.ravel().tolist()
+    assert [d.id for d in devices] == [2, 5]
+
+
+def test_jax_make_distribution_refuses_an_unknown_device():
+    jax_backend = importlib.import_module("keras_multigpu.backends.jax")
+    with pytest.raises(ValueError, match=r"JAX has no device gpu:0"):
+        jax_backend.make_distribution([Device(0, "gpu", "missing")])
+
+
+def test_jax_process_rank():
+    jax_backend = importlib.import_module("keras_multigpu.backends.jax")
+    assert jax_backend.process_index() == 0
+    assert jax_backend.process_count() == 1

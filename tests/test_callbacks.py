@@ -1,0 +1,115 @@
+"""Keras's standard callbacks work on a ParallelModel, as on a plain model."""
+
+import csv
+import importlib.util
+
+import keras
+import numpy as np
+import pytest
+
+import keras_multigpu as kmg
+from conftest import assert_weights_close, classification_data
+
+
+def parallel_model(dense_model, gpus=3, lr=0.05):
+    parallel = kmg.multi_gpu_model(dense_model(), gpus=gpus)
+    parallel.compile(
+        optimizer=keras.optimizers.SGD(lr), loss="categorical_crossentropy", metrics=["accuracy"]
+    )
+    return parallel
+
+
+def test_model_checkpoint_writes_loadable_template(dense_model, tmp_path):
+    x, y = classification_data(40)
+    parallel = parallel_model(dense_model)
+    path = tmp_path / "best.keras"
+    checkpoint = keras.callbacks.ModelCheckpoint(path, monitor="val_loss", save_best_only=True)
+    parallel.fit(x, y, batch_size=8, epochs=3, validation_data=(x[:9], y[:9]),
+                 callbacks=[checkpoint], verbose=0)
+    loaded = keras.saving.load_model(path)
+    assert [type(layer).__name__ for layer in loaded.layers] == ["Dense", "Dense"]
+    assert loaded.predict(x, verbose=0).shape == (40, 3)
+
+
+def test_model_checkpoint_weights_only(dense_model, tmp_path):
+    x, y = classification_data(20)
+    parallel = parallel_model(dense_model)
+    path = tmp_path / "epoch{epoch}.weights.h5"
+    parallel.fit(x, y, batch_size=8, epochs=2, verbose=0,
+                 callbacks=[keras.callbacks.ModelCheckpoint(path, save_weights_only=True)])
+    plain = dense_model(seed=3)
+    plain.load_weights(tmp_path / "epoch2.weights.h5")
+    assert_weights_close(plain.get_weights(), parallel.get_weights(), atol=0)
+
+
+def test_early_stopping_restores_best_weights(dense_model):
+    x, y = classification_data(40)
+    parallel = parallel_model(dense_model, lr=2.0)  # diverges quickly: stops early
+    seen = {}
+
+    class Snapshot(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            seen[epoch] = (logs["val_loss"], self.model.get_weights())
+
+    stop = keras.callbacks.EarlyStopping(patience=1, restore_best_weights=True)
+    parallel.fit(x, y, batch_size=8, epochs=30, validation_data=(x, y), verbose=0,
+                 callbacks=[Snapshot(), stop])
+    assert len(seen) < 30
+    best_epoch = min(seen, key=lambda e: seen[e][0])
+    assert_weights_close(parallel.template.get_weights(), seen[best_epoch][1], atol=0)
+
+
+def test_learning_rate_callbacks_change_the_shared_optimizer(dense_model):
+    x, y = classification_data(24)
+    parallel = parallel_model(dense_model)
+    schedule = keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.01 * (epoch + 1))
+    plateau = keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0,
+                                                min_delta=10.0)
+    history = parallel.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=[schedule, plateau])
+    assert history.history["learning_rate"][0] == pytest.approx(0.01)
+    # ReduceLROnPlateau (min_delta=10: never an improvement) halved the last rate.
+    assert float(parallel.optimizer.learning_rate.numpy()) == pytest.approx(0.015)
+    assert parallel.template.optimizer is parallel.optimizer
+
+
+def test_csv_logger_and_history(dense_model, tmp_path):
+    x, y = classification_data(24)
+    parallel = parallel_model(dense_model)
+    history = parallel.fit(x, y, batch_size=5, epochs=2, verbose=0,
+                           callbacks=[keras.callbacks.CSVLogger(tmp_path / "log.csv")])
+    with open(tmp_path / "log.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["epoch"]) for r in rows] == [0, 1]
+    np.testing.assert_allclose([float(r["loss"]) for r in rows], history.history["loss"],
+                               rtol=1e-6)
+
+
+def test_backup_and_restore_resumes_after_interruption(dense_model, tmp_path):
+    x, y = classification_data(24)
+    backup = tmp_path / "backup"
+
+    class Interrupt(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 1:
+                raise RuntimeError("worker died")
+
+    parallel = parallel_model(dense_model)
+    with pytest.raises(RuntimeError, match="worker died"):
+        parallel.fit(x, y, batch_size=8, epochs=4, verbose=0,
+                     callbacks=[keras.callbacks.BackupAndRestore(backup), Interrupt()])
+    resumed = parallel_model(dense_model)
+    history = resumed.fit(x, y, batch_size=8, epochs=4, verbose=0,
+                          callbacks=[keras.callbacks.BackupAndRestore(backup)])
+    assert len(history.epoch) == 2  # epochs 2 and 3: 0 and 1 were restored
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("tensorflow") is None,
+    reason="keras.callbacks.TensorBoard writes its logs through TensorFlow, not installed",
+)
+def test_tensorboard_writes_logs(dense_model, tmp_path):
+    x, y = classification_data(16)
+    parallel = parallel_model(dense_model)
+    parallel.fit(x, y, batch_size=8, epochs=1, verbose=0,
+                 callbacks=[keras.callbacks.TensorBoard(tmp_path / "tb")])
+    assert any((tmp_path / "tb").rglob("events.out.tfevents.*"))

@@ -1,0 +1,267 @@
+"""User-facing errors through the public API: clear, early, never JAX-internal."""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_multigpu as kmg
+
+
+def _data(n, features=6, classes=3, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, features)).astype("float32")
+    y = keras.utils.to_categorical(rng.integers(0, classes, n), classes)
+    return x, y
+
+
+@pytest.fixture
+def model(dense_model):
+    return dense_model()
+
+
+@pytest.fixture
+def parallel(model):
+    p = kmg.multi_gpu_model(model, gpus=2)
+    p.compile(optimizer="sgd", loss="categorical_crossentropy", metrics=["accuracy"])
+    return p
+
+
+@pytest.fixture
+def no_training(monkeypatch, parallel):
+    """Fails the test if Keras's training loop is entered; checks nothing moved."""
+
+    def started(*args, **kwargs):
+        raise AssertionError("Keras's fit was called: the error came too late")
+
+    monkeypatch.setattr(keras.Model, "fit", started)
+    before = _weights(parallel)
+    yield
+    assert int(parallel.optimizer.iterations.value) == 0
+    for a, b in zip(before, _weights(parallel)):
+        np.testing.assert_array_equal(a, b)
+
+
+def _weights(parallel):
+    return [np.array(v.value) for v in parallel.template.variables]
+
+
+# -- multi_gpu_model ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "bad, type_name",
+    [
+        (keras.layers.Dense(2), "Dense"),
+        ("model.keras", "str"),
+        (None, "NoneType"),
+        (np.zeros(3), "ndarray"),
+    ],
+)
+def test_multi_gpu_model_refuses_a_non_model(bad, type_name):
+    with pytest.raises(TypeError, match=rf"Received: model of type {type_name}\.") as info:
+        kmg.multi_gpu_model(bad)
+    assert type(info.value) is TypeError
+    assert "keras.Model" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "gpus, error, shown",
+    [
+        (9, ValueError, r"gpus=9"),
+        (-1, ValueError, r"gpus=-1"),
+        ([0, 0], ValueError, r"gpus=\[0, 0\]"),
+        ([8], ValueError, r"unknown device id\(s\) \[8\]"),
+        ([], ValueError, r"gpus is an empty list"),
+        ("2", TypeError, r"gpus='2'"),
+        (2.0, TypeError, r"gpus=2\.0"),
+        (True, TypeError, r"gpus=True"),
+        ([0, "1"], TypeError, r"gpus=\[0, '1'\]"),
+    ],
+)
+def test_multi_gpu_model_refuses_bad_gpus(model, gpus, error, shown):
+    with pytest.raises(error, match=shown) as info:
+        kmg.multi_gpu_model(model, gpus=gpus)
+    assert type(info.value) is error
+
+
+def test_too_many_gpus_lists_what_exists(model):
+    with pytest.raises(ValueError) as info:
+        kmg.multi_gpu_model(model, gpus=9)
+    assert "0, 1, 2, 3, 4, 5, 6, 7" in str(info.value)
+    assert "gpus=None" in str(info.value)
+
+
+# -- fit: refused before any training ---------------------------------------------
+
+
+@pytest.mark.parametrize("batch_size", [0, -3])
+def test_fit_non_positive_batch_size(parallel, no_training, batch_size):
+    x, y = _data(16)
+    with pytest.raises(ValueError, match=rf"Received: batch_size={batch_size}\.") as info:
+        parallel.fit(x, y, batch_size=batch_size, verbose=0)
+    assert type(info.value) is ValueError
+
+
+def test_fit_str_batch_size(parallel, no_training):
+    x, y = _data(16)
+    with pytest.raises(TypeError, match=r"batch_size must be an int\. Received: batch_size='32'"):
+        parallel.fit(x, y, batch_size="32", verbose=0)
+
+
+def test_fit_float_batch_size(parallel, no_training):
+    x, y = _data(16)
+    with pytest.raises(TypeError, match=r"batch_size=8\.0"):
+        parallel.fit(x, y, batch_size=8.0, verbose=0)
+
+
+def test_fit_x_and_y_of_different_lengths(parallel, no_training):
+    x, y = _data(16)
+    with pytest.raises(ValueError, match=r"x has 16 rows but y has 10") as info:
+        parallel.fit(x, y[:10], batch_size=4, verbose=0)
+    assert type(info.value) is ValueError
+
+
+def test_fit_sample_weight_of_another_length(parallel, no_training):
+    x, y = _data(16)
+    with pytest.raises(ValueError, match=r"x has 16 rows but sample_weight has 15"):
+        parallel.fit(x, y, sample_weight=np.ones(15), batch_size=4, verbose=0)
+
+
+def test_fit_empty_arrays(parallel, no_training):
+    x, y = _data(16)
+    with pytest.raises(ValueError, match=r"0 rows") as info:
+        parallel.fit(x[:0], y[:0], batch_size=4, verbose=0)
+    assert type(info.value) is ValueError
+
+
+@pytest.mark.parametrize("fraction", [1.5, 1.0, -0.2])
+def test_fit_validation_split_out_of_range(parallel, no_training, fraction):
+    x, y = _data(16)
+    with pytest.raises(ValueError, match=rf"validation_split={fraction}") as info:
+        parallel.fit(x, y, validation_split=fraction, batch_size=4, verbose=0)
+    assert type(info.value) is ValueError
+
+
+def test_fit_validation_split_leaving_an_empty_set(parallel, no_training):
+    x, y = _data(3)
+    with pytest.raises(ValueError, match=r"validation_split=0\.8 of 3 samples"):
+        parallel.fit(x, y, validation_split=0.8, batch_size=4, verbose=0)
+
+
+def test_fit_validation_split_with_a_generator(parallel, no_training):
+    def batches():
+        yield _data(4)
+
+    with pytest.raises(ValueError, match=r"validation_split needs array inputs"):
+        parallel.fit(batches(), validation_split=0.5, verbose=0)
+
+
+def test_fit_without_x(parallel, no_training):
+    with pytest.raises(ValueError, match=r"x=None"):
+        parallel.fit(None, verbose=0)
+
+
+def test_fit_drop_remainder_leaving_no_batch(parallel, no_training):
+    x, y = _data(5)
+    with pytest.raises(ValueError, match=r"drop_remainder=True with 5 samples and batch_size=8"):
+        parallel.fit(x, y, batch_size=8, drop_remainder=True, verbose=0)
+
+
+def test_fit_str_x(parallel, no_training):
+    with pytest.raises(TypeError, match=r"x of type str"):
+        parallel.fit("train.csv", verbose=0)
+
+
+# -- evaluate / predict ---------------------------------------------------------------
+
+
+def test_evaluate_bad_batch_size(parallel):
+    x, y = _data(8)
+    with pytest.raises(ValueError, match=r"batch_size=0"):
+        parallel.evaluate(x, y, batch_size=0, verbose=0)
+
+
+def test_predict_bad_batch_size(parallel):
+    x, _ = _data(8)
+    with pytest.raises(TypeError, match=r"batch_size='4'"):
+        parallel.predict(x, batch_size="4", verbose=0)
+
+
+# -- save ----------------------------------------------------------------------------------
+
+
+def test_save_refuses_another_suffix(parallel, tmp_path):
+    target = tmp_path / "model.h5"
+    with pytest.raises(ValueError, match=r"must end in '\.keras'") as info:
+        parallel.save(target)
+    assert "model.h5" in str(info.value)
+    assert list(tmp_path.iterdir()) == []  # no file, no leftover temporary
+
+
+def test_save_weights_refuses_another_suffix(parallel, tmp_path):
+    with pytest.raises(ValueError, match=r"must end in '\.weights\.h5'"):
+        parallel.save_weights(tmp_path / "model.h5")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_save_without_overwrite_onto_an_existing_file(parallel, tmp_path):
+    target = tmp_path / "model.keras"
+    target.write_bytes(b"keep me")
+    with pytest.raises(FileExistsError, match=r"overwrite=False") as info:
+        parallel.save(target, overwrite=False)
+    assert "model.keras" in str(info.value)
+    assert target.read_bytes() == b"keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.keras"]
+
+
+def test_save_weights_without_overwrite_onto_an_existing_file(parallel, tmp_path):
+    target = tmp_path / "model.weights.h5"
+    target.write_bytes(b"keep me")
+    with pytest.raises(FileExistsError, match=r"overwrite=False"):
+        parallel.save_weights(target, overwrite=False)
+    assert target.read_bytes() == b"keep me"
+
+
+# -- compile ----------------------------------------------------------------------------------
+
+
+def test_compile_loss_without_reduction(model):
+    parallel = kmg.multi_gpu_model(model, gpus=2)
+    loss = keras.losses.CategoricalCrossentropy(reduction=None)
+    with pytest.raises(ValueError, match=r"reduction=None") as info:
+        parallel.compile(optimizer="sgd", loss=loss)
+    assert type(info.value) is ValueError
+    assert "sum_over_batch_size" in str(info.value)
+
+
+def _two_outputs():
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(4, activation="tanh")(inputs)
+    return keras.Model(
+        inputs,
+        [keras.layers.Dense(3, name="a")(hidden), keras.layers.Dense(2, name="b")(hidden)],
+    )
+
+
+@pytest.mark.parametrize("as_dict", [False, True], ids=["list", "dict"])
+def test_compile_losses_mixing_reductions(as_dict):
+    parallel = kmg.multi_gpu_model(_two_outputs(), gpus=2)
+    losses = [
+        keras.losses.MeanSquaredError(reduction="sum"),
+        keras.losses.MeanSquaredError(reduction="sum_over_batch_size"),
+    ]
+    if as_dict:
+        losses = dict(zip(["a", "b"], losses))
+    with pytest.raises(ValueError, match=r"mix reductions") as info:
+        parallel.compile(optimizer="sgd", loss=losses)
+    assert type(info.value) is ValueError
+    assert "'sum'" in str(info.value)
+    assert "'sum_over_batch_size'" in str(info.value)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean_with_sample_weight", "sum_over_batch_size"])
+def test_compile_accepts_one_kind_of_reduction(reduction):
+    parallel = kmg.multi_gpu_model(_two_outputs(), gpus=2)
+    losses = [keras.losses.MeanSquaredError(reduction=reduction)] * 2
+    parallel.compile(optimizer="sgd", loss=losses)
+    assert parallel.compiled

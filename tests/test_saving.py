@@ -1,0 +1,125 @@
+"""Files written by a ParallelModel are plain Keras files of the template."""
+
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+import keras_multigpu as kmg
+from conftest import classification_data
+
+# Runs in a fresh process that never imports keras_multigpu, on one CPU device.
+LOAD_WITHOUT_LIBRARY = """
+import json, sys
+import numpy as np
+import keras
+model = keras.saving.load_model(sys.argv[1])
+x = np.load(sys.argv[2])
+import jax
+print(json.dumps({
+    "library_imported": "keras_multigpu" in sys.modules,
+    "devices": len(jax.devices()),
+    "layers": [layer.__class__.__name__ for layer in model.layers],
+    "compiled": bool(model.compiled),
+    "optimizer": model.optimizer.__class__.__name__ if model.optimizer else None,
+    "prediction": model.predict(x, verbose=0).tolist(),
+}))
+"""
+
+
+def load_elsewhere(path, x, tmp_path):
+    np.save(tmp_path / "x.npy", x)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KERAS_MULTIGPU", "XLA"))}
+    env["KERAS_BACKEND"] = "jax"
+    result = subprocess.run(
+        [sys.executable, "-c", LOAD_WITHOUT_LIBRARY, str(path), str(tmp_path / "x.npy")],
+        capture_output=True, text=True, env=env, timeout=180, check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def trained_parallel(dense_model, gpus=4):
+    x, y = classification_data(30)
+    parallel = kmg.multi_gpu_model(dense_model(), gpus=gpus)
+    parallel.compile(optimizer="adam", loss="categorical_crossentropy", metrics=["accuracy"])
+    parallel.fit(x, y, batch_size=7, epochs=2, verbose=0)
+    return parallel, x, y
+
+
+def test_saved_file_loads_without_the_library_on_one_cpu(dense_model, tmp_path):
+    parallel, x, _ = trained_parallel(dense_model)
+    parallel.save(tmp_path / "model.keras")
+    loaded = load_elsewhere(tmp_path / "model.keras", x, tmp_path)
+    assert loaded["library_imported"] is False
+    assert loaded["devices"] == 1
+    assert loaded["layers"] == ["Dense", "Dense"]  # the template, not a wrapper
+    assert loaded["compiled"] and loaded["optimizer"] == "Adam"
+    np.testing.assert_allclose(loaded["prediction"], parallel.predict(x, verbose=0), atol=1e-6)
+
+
+def test_reload_and_rewrap_never_nests(dense_model, tmp_path):
+    parallel, x, y = trained_parallel(dense_model)
+    path = tmp_path / "model.keras"
+    for round_ in range(3):
+        parallel.save(path)
+        model = keras.saving.load_model(path)
+        assert [type(layer).__name__ for layer in model.layers] == ["Dense", "Dense"], round_
+        parallel = kmg.multi_gpu_model(model, gpus=[1, 2, 3])
+        # The loaded model was compiled: the wrapper resumes with its optimizer.
+        assert parallel.optimizer is model.optimizer
+        parallel.fit(x, y, batch_size=6, epochs=1, verbose=0)
+    again = kmg.multi_gpu_model(parallel, gpus=2)
+    assert again.template is parallel.template
+
+
+def test_resumed_training_keeps_optimizer_state(dense_model, tmp_path):
+    parallel, x, y = trained_parallel(dense_model)
+    iterations = int(parallel.optimizer.iterations.numpy())
+    parallel.save(tmp_path / "model.keras")
+    resumed = kmg.multi_gpu_model(keras.saving.load_model(tmp_path / "model.keras"), gpus=2)
+    assert int(resumed.optimizer.iterations.numpy()) == iterations
+    resumed.fit(x, y, batch_size=7, epochs=1, verbose=0)
+    assert int(resumed.optimizer.iterations.numpy()) == iterations + 5
+
+
+def test_weights_load_into_a_plain_model(dense_model, tmp_path):
+    parallel, x, _ = trained_parallel(dense_model)
+    parallel.save_weights(tmp_path / "w.weights.h5")
+    plain = dense_model(seed=7)
+    plain.load_weights(tmp_path / "w.weights.h5")
+    np.testing.assert_allclose(plain.predict(x, verbose=0), parallel.predict(x, verbose=0), atol=1e-6)
+    other = kmg.multi_gpu_model(dense_model(seed=9), gpus=3)
+    other.load_weights(tmp_path / "w.weights.h5")
+    np.testing.assert_allclose(other.predict(x, verbose=0), plain.predict(x, verbose=0), atol=1e-6)
+
+
+def test_failed_save_leaves_the_previous_file_intact(dense_model, tmp_path, monkeypatch):
+    parallel, _, _ = trained_parallel(dense_model)
+    path = tmp_path / "model.keras"
+    parallel.save(path)
+    before = path.read_bytes()
+
+    def broken_save(filepath, **kwargs):
+        with open(filepath, "wb") as f:
+            f.write(b"half a file")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(parallel.template, "save", broken_save)
+    with pytest.raises(OSError, match="disk full"):
+        parallel.save(path)
+    assert path.read_bytes() == before
+    assert os.listdir(tmp_path) == ["model.keras"]  # no temporary file left
+
+
+def test_saving_refuses_wrong_suffix_and_existing_files(dense_model, tmp_path):
+    parallel = kmg.multi_gpu_model(dense_model(), gpus=2)
+    with pytest.raises(ValueError, match=r"\.keras"):
+        parallel.save(tmp_path / "model.h5")
+    parallel.save(tmp_path / "model.keras")
+    with pytest.raises(FileExistsError, match="overwrite=False"):
+        parallel.save(tmp_path / "model.keras", overwrite=False)
