@@ -14,7 +14,13 @@ set and the framework has not started, asks for that many virtual CPU
 devices.
 """
 
-from keras_multigpu import backends as _backends
+import os as _os
+
+# The JAX engine is the one that works today; Keras would otherwise pick
+# TensorFlow. An explicit KERAS_BACKEND, or a Keras already imported, wins.
+_os.environ.setdefault("KERAS_BACKEND", "jax")
+
+from keras_multigpu import backends as _backends  # noqa: E402
 from keras_multigpu.devices import Device, list_devices
 from keras_multigpu.devices import cpu_device_count as _cpu_device_count
 from keras_multigpu.parallel import ParallelModel, multi_gpu_model
