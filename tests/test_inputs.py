@@ -3,9 +3,9 @@
 import keras
 import numpy as np
 import pytest
-from conftest import assert_weights_close, classification_data
 
 import keras_multigpu as kmg
+from conftest import assert_weights_close, classification_data
 
 X, Y = classification_data(45)
 BATCH = 10

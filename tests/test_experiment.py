@@ -1,0 +1,93 @@
+"""The main job end to end, tiny: `keras-multigpu train` and `compare` on virtual devices."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import cifar_dir
+from keras_multigpu import cli
+
+needs_data = pytest.mark.skipif(cifar_dir() is None, reason="the shared CIFAR-10 subset is absent")
+TINY = ["--epochs", "2", "--limit", "96", "--width", "0.125", "--batch-per-device", "16"]
+
+LOAD = """
+import sys, numpy as np, keras
+model = keras.saving.load_model(sys.argv[1])
+print("library" if "keras_multigpu" in sys.modules else "plain", model.predict(
+    np.zeros((2, 32, 32, 3), "float32"), verbose=0).shape)
+"""
+
+
+@needs_data
+def test_train_writes_every_output(tmp_path, capsys):
+    out = tmp_path / "run"
+    code = cli.main(["train", "--gpus", "3", "--output", str(out), "--data-dir", cifar_dir(),
+                     "--lr", "0.01", *TINY])
+    assert code == 0
+    assert sorted(os.listdir(out)) == ["history.json", "model.keras", "plot.png"]
+    assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    history = json.loads((out / "history.json").read_text())
+    assert history["devices"] == ["cpu:0", "cpu:1", "cpu:2"]
+    assert history["global_batch"] == 48 and history["train_images"] == 96
+    assert history["config"]["epochs"] == 2
+    epochs = history["epochs"]
+    for key in ("loss", "accuracy", "val_loss", "val_accuracy", "learning_rate", "seconds",
+                "images_per_second"):
+        assert len(epochs) == 2 and all(np.isfinite(e[key]) for e in epochs), key
+    # Linear decay to zero over the run: half-way after epoch 1, zero at the end.
+    assert epochs[0]["learning_rate"] == pytest.approx(0.005, rel=1e-4)
+    assert epochs[1]["learning_rate"] == pytest.approx(0.0, abs=1e-9)
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("devices=3 (cpu:0, cpu:1, cpu:2)") and "val_accuracy=" in line
+    loaded = subprocess.run(
+        [sys.executable, "-c", LOAD, str(out / "model.keras")], capture_output=True, text=True,
+        env={**os.environ, "KERAS_BACKEND": "jax"}, timeout=180, check=False,
+    )
+    assert loaded.returncode == 0, loaded.stderr[-2000:]
+    assert loaded.stdout.split() == ["plain", "(2,", "10)"]
+
+
+@needs_data
+def test_target_accuracy_sets_the_exit_status(tmp_path, capsys):
+    code = cli.main(["train", "--gpus", "2", "--output", str(tmp_path), "--data-dir",
+                     cifar_dir(), "--target-acc", "0.99", "--no-augment", *TINY])
+    assert code == 1
+    assert "below --target-acc 0.99" in capsys.readouterr().err
+
+
+@needs_data
+def test_compare_overlays_device_counts(tmp_path, capsys):
+    code = cli.main(["compare", "--gpus", "1,2", "--output", str(tmp_path), "--data-dir",
+                     cifar_dir(), *TINY])
+    assert code == 0
+    assert (tmp_path / "compare.png").exists()
+    runs = json.loads((tmp_path / "compare.json").read_text())
+    assert [len(r["devices"]) for r in runs] == [1, 2]
+    table = capsys.readouterr().out
+    assert "speed-up" in table and "s/epoch" in table
+
+
+def test_missing_data_is_a_clear_error(tmp_path, capsys):
+    code = cli.main(["train", "--gpus", "1", "--output", str(tmp_path / "o"), "--data-dir",
+                     str(tmp_path / "nowhere"), *TINY])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "nowhere" in err and "--data-dir" in err
+
+
+def test_bad_flags_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--epochs", "0"])
+    assert "positive integer" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["compare", "--gpus", "1,x"])
+
+
+def test_devices_lists_without_starting_anything(capsys):
+    assert cli.main(["devices", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [d["kind"] for d in listed] == ["cpu"] * 8
