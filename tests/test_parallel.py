@@ -300,3 +300,28 @@ def test_on_batch_methods_equal_one_device(dense_model):
     np.testing.assert_allclose(
         reference.predict_on_batch(x), parallel.predict_on_batch(x), atol=1e-6
     )
+
+
+COMPILES = []
+
+
+def _count_compiles(event, duration, **kwargs):
+    if event == "/jax/core/compile/backend_compile_duration":
+        COMPILES.append(event)
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_no_compilation_after_the_first_epoch(dense_model, gpus):
+    """XLA compiles nothing after epoch 1: not the step, not a metric reset."""
+    import jax
+
+    jax.monitoring.register_event_duration_secs_listener(_count_compiles)
+    x, y = classification_data(50)
+    parallel = compile_sgd(kmg.multi_gpu_model(dense_model(), gpus=gpus))
+    per_epoch = []
+    record = keras.callbacks.LambdaCallback(
+        on_epoch_end=lambda epoch, logs=None: per_epoch.append(len(COMPILES))
+    )
+    parallel.fit(x, y, batch_size=16, epochs=4, validation_data=(x[:10], y[:10]), verbose=0,
+                 callbacks=[record])
+    assert per_epoch[1:] == [per_epoch[0]] * 3

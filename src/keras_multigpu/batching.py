@@ -123,15 +123,23 @@ def pad_batch(batch, replicas, class_weight=None):
         `((x, y, (weights, mask)), rows)`, or `((x,), rows)` when the batch
         has no targets, where `rows` is the number of real rows.
     """
-    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
-    rows = _num_rows(x, "x")
+    parts = keras.utils.unpack_x_y_sample_weight(batch)
+    rows = _num_rows(parts[0], "x")
     if rows == 0:
         raise ValueError("A batch has 0 rows. Every batch needs at least one sample.")
     index, mask = pad_indices(rows, replicas)
-    x = _take(tree.map_structure(np.asarray, x), index)
+    gathered = tuple(
+        None if part is None else _take(tree.map_structure(np.asarray, part), index)
+        for part in parts
+    )
+    return with_mask(gathered, mask, class_weight), rows
+
+
+def with_mask(batch, mask, class_weight=None):
+    """Adds `(weights, mask)` to an already padded batch (see `pad_batch`)."""
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
     if y is None:
-        return (x,), rows
-    y = tree.map_structure(np.asarray, y)
+        return (x,)
     if class_weight is not None:
         if sample_weight is not None:
             raise ValueError(
@@ -150,10 +158,9 @@ def pad_batch(batch, replicas, class_weight=None):
         weights = mask
     else:
         weights = tree.map_structure(
-            lambda w: np.asarray(w, "float32")[index] * _mask_like(mask, w),
-            sample_weight,
+            lambda w: np.asarray(w, "float32") * _mask_like(mask, w), sample_weight
         )
-    return (x, _take(y, index), (weights, mask)), rows
+    return x, y, (weights, mask)
 
 
 class PaddedBatches(keras.utils.PyDataset):
@@ -189,6 +196,10 @@ class ArrayBatches(PaddedBatches):
 
     def __init__(self, x, y, sample_weight, plan, shuffle=False, class_weight=None):
         super().__init__(plan.replicas, class_weight)
+        x, y, sample_weight = (
+            None if part is None else tree.map_structure(np.asarray, part)
+            for part in (x, y, sample_weight)
+        )
         self.x, self.y, self.sample_weight = x, y, sample_weight
         self.plan = plan
         self.shuffle = shuffle
@@ -204,10 +215,11 @@ class ArrayBatches(PaddedBatches):
             raise IndexError(f"Batch {index} of {self.plan.num_batches}.")
         start = index * self.plan.batch_size
         rows = self.order[start : start + self.plan.batch_size]
-        batch = tuple(
-            _take(part, rows) for part in (self.x, self.y, self.sample_weight)
-        )
-        return self.pad(index, batch)
+        # One gather per array: the batch's rows and its padding together.
+        padding, mask = pad_indices(len(rows), self.replicas)
+        batch = tuple(_take(part, rows[padding]) for part in (self.x, self.y, self.sample_weight))
+        self.rows[index] = len(rows)
+        return with_mask(batch, mask, self.class_weight)
 
     def on_epoch_end(self):
         if self.shuffle:

@@ -119,6 +119,13 @@ class ParallelModel(keras.Model):
             self._replicate_state()
             yield
 
+    def reset_metrics(self):
+        # Keras resets metrics at every epoch and evaluate with fresh arrays on
+        # the default device; put them back on the mesh so that the compiled
+        # step sees the placement it was compiled for.
+        super().reset_metrics()
+        self._backend.replicate(self.metrics_variables, self._distribution)
+
     def _symbolic_build(self, *args, **kwargs):
         # Keras builds the compiled metrics here, and metric objects the user
         # made (e.g. keras.metrics.AUC()) created their variables outside the

@@ -66,7 +66,10 @@ def replicate(variables, distribution):
     target = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     for variable in variables:
         value = variable.value
-        if value.sharding.is_equivalent_to(target, np.ndim(value)):
+        # An uncommitted array (fresh from an assignment) counts as equivalent
+        # on a one-device mesh, yet jit keys its cache on commitment: placing
+        # it explicitly is what keeps the step compiled once.
+        if value.committed and value.sharding.is_equivalent_to(target, np.ndim(value)):
             continue
         # A layout left by an earlier distribution would send the value back
         # to its old devices on assignment; this placement supersedes it.
