@@ -41,7 +41,9 @@ def test_train_writes_every_output(tmp_path, capsys):
     # Linear decay to zero over the run: half-way after epoch 1, zero at the end.
     assert epochs[0]["learning_rate"] == pytest.approx(0.005, rel=1e-4)
     assert epochs[1]["learning_rate"] == pytest.approx(0.0, abs=1e-9)
-    line = capsys.readouterr().out.strip().splitlines()[-1]
+    printed = capsys.readouterr().out
+    assert "Epoch 2/2" in printed  # Keras's progress bar
+    line = printed.strip().splitlines()[-1]
     assert line.startswith("devices=3 (cpu:0, cpu:1, cpu:2)") and "val_accuracy=" in line
     loaded = subprocess.run(
         [sys.executable, "-c", LOAD, str(out / "model.keras")], capture_output=True, text=True,

@@ -131,7 +131,8 @@ def build_parser():
         prog="keras-multigpu",
         description="Train Keras 3 models on every device of this machine.",
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log more")
+    parser.add_argument("-v", "--verbose", dest="log_info", action="store_true",
+                        help="log more (the progress bar is always shown)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     devices = sub.add_parser("devices", help="list the devices (starts no framework)")
@@ -154,7 +155,7 @@ def build_parser():
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+    logging.basicConfig(level=logging.INFO if args.log_info else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)

@@ -1,0 +1,83 @@
+"""What on-device augmentation costs: training with it vs without, and the layer alone.
+
+Runs `keras-multigpu train` with and without `--no-augment`, each in its own
+process, interleaved over rounds, and compares the steady-state epoch time
+(the first epoch, which compiles, is excluded). Then times `RandomShiftFlip`
+alone, compiled, on one batch shape.
+
+    python benchmarks/augmentation.py --rounds 2 --epochs 6 --width 0.25
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def train_once(args, augment, output):
+    command = [sys.executable, "-m", "keras_multigpu.cli", "train", "--gpus", str(args.gpus),
+               "--epochs", str(args.epochs), "--width", str(args.width),
+               "--output", output, "--seed", "1"]
+    if args.data_dir:
+        command += ["--data-dir", args.data_dir]
+    if not augment:
+        command.append("--no-augment")
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL,
+                   env={**os.environ, "KERAS_BACKEND": "jax"})
+    with open(os.path.join(output, "history.json")) as f:
+        return json.load(f)["mean_epoch_seconds"]
+
+
+def layer_alone(batch, repeats=50):
+    import jax
+    import numpy as np
+
+    from keras_multigpu.data import RandomShiftFlip
+
+    layer = RandomShiftFlip(0.1, seed=0)
+    images = np.random.default_rng(0).uniform(0, 255, (batch, 32, 32, 3)).astype("float32")
+    step = jax.jit(lambda x: layer(x, training=True))
+    step(images).block_until_ready()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        out = step(images)
+    out.block_until_ready()
+    return batch * repeats / (time.perf_counter() - start)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--gpus", type=int, default=2)
+    parser.add_argument("--width", type=float, default=0.25)
+    parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--output", default="benchmarks/results/cpu-2core/augmentation.json")
+    args = parser.parse_args()
+    seconds = {"with": [], "without": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for round_ in range(args.rounds):
+            for mode in ("with", "without"):
+                value = train_once(args, mode == "with", os.path.join(tmp, f"{mode}{round_}"))
+                seconds[mode].append(value)
+                print(f"round {round_ + 1} {mode:>7} augmentation: {value:.2f} s/epoch", flush=True)
+    ratio = statistics.median(seconds["with"]) / statistics.median(seconds["without"])
+    os.environ.setdefault("KERAS_BACKEND", "jax")
+    alone = layer_alone(64 * args.gpus)
+    print(f"epoch time with / without augmentation: {ratio:.3f} (target <= 1.05)")
+    print(f"RandomShiftFlip alone, jit-compiled, batch {64 * args.gpus}: {alone:.0f} images/s")
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    with open(args.output, "w") as f:
+        json.dump({"command": " ".join(sys.argv), "seconds_per_epoch": seconds, "ratio": ratio,
+                   "augmentation_alone_images_per_second": alone,
+                   "machine": {"platform": platform.platform(), "cores": os.cpu_count()}},
+                  f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
