@@ -124,3 +124,13 @@ def test_saving_refuses_wrong_suffix_and_existing_files(dense_model, tmp_path):
     parallel.save(tmp_path / "model.keras")
     with pytest.raises(FileExistsError, match="overwrite=False"):
         parallel.save(tmp_path / "model.keras", overwrite=False)
+
+
+def test_saved_files_get_ordinary_permissions(dense_model, tmp_path):
+    parallel = kmg.multi_gpu_model(dense_model(), gpus=2)
+    parallel.save(tmp_path / "model.keras")
+    parallel.save_weights(tmp_path / "w.weights.h5")
+    mask = os.umask(0)
+    os.umask(mask)
+    for name in ("model.keras", "w.weights.h5"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o666 & ~mask, name

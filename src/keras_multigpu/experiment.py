@@ -11,7 +11,6 @@ import json
 import logging
 import math
 import os
-import tempfile
 import time
 
 import keras
@@ -20,6 +19,7 @@ import numpy as np
 from keras_multigpu import callbacks as callbacks_lib
 from keras_multigpu import data as data_lib
 from keras_multigpu import models
+from keras_multigpu._io import atomic_path
 from keras_multigpu.parallel import multi_gpu_model
 
 logger = logging.getLogger(__name__)
@@ -80,24 +80,14 @@ def build_models(mean, width=1.0, augment=True, seed=None):
 
 
 def save_model(model, path):
-    """Writes `model` to a `.keras` file atomically (a temporary file, then a rename)."""
-    directory = os.path.dirname(os.path.abspath(path))
-    handle, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".keras", dir=directory)
-    os.close(handle)
-    try:
+    """Writes `model` to a `.keras` file atomically."""
+    with atomic_path(path, ".keras") as tmp:
         model.save(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def write_json_atomic(path, payload):
-    directory = os.path.dirname(os.path.abspath(path))
-    handle, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=directory)
-    with os.fdopen(handle, "w") as f:
+    with atomic_path(path, ".json") as tmp, open(tmp, "w") as f:
         json.dump(payload, f, indent=2)
-    os.replace(tmp, path)
 
 
 def run(config):

@@ -11,13 +11,13 @@ file of the user's model.
 
 import contextlib
 import os
-import tempfile
 
 import keras
 from keras import tree
 
 from keras_multigpu import backends, batching, masking
 from keras_multigpu import devices as devices_lib
+from keras_multigpu._io import atomic_path
 
 
 def multi_gpu_model(model, gpus=None):
@@ -50,26 +50,6 @@ def multi_gpu_model(model, gpus=None):
     backend = backends.current()
     chosen = devices_lib.select(gpus, backend.list_devices())
     return ParallelModel(model, chosen)
-
-
-@contextlib.contextmanager
-def _atomic_path(filepath, suffix):
-    """Yields a temporary path beside `filepath`, moved over it on success."""
-    filepath = os.fspath(filepath)
-    if not filepath.endswith(suffix):
-        raise ValueError(
-            f"The filename must end in {suffix!r}. Received: filepath={filepath!r}."
-        )
-    directory = os.path.dirname(os.path.abspath(filepath))
-    os.makedirs(directory, exist_ok=True)
-    handle, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=suffix, dir=directory)
-    os.close(handle)
-    try:
-        yield tmp
-        os.replace(tmp, filepath)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 class ParallelModel(keras.Model):
@@ -243,14 +223,14 @@ class ParallelModel(keras.Model):
         """Saves the template as a plain `.keras` file, atomically."""
         if not overwrite and os.path.exists(filepath):
             raise FileExistsError(f"{filepath} exists and overwrite=False.")
-        with _atomic_path(filepath, ".keras") as tmp:
+        with atomic_path(filepath, ".keras") as tmp:
             self.template.save(tmp, **kwargs)
 
     def save_weights(self, filepath, overwrite=True, **kwargs):
         """Saves the template's weights (`.weights.h5`), atomically."""
         if not overwrite and os.path.exists(filepath):
             raise FileExistsError(f"{filepath} exists and overwrite=False.")
-        with _atomic_path(filepath, ".weights.h5") as tmp:
+        with atomic_path(filepath, ".weights.h5") as tmp:
             self.template.save_weights(tmp, **kwargs)
 
     def load_weights(self, filepath, **kwargs):

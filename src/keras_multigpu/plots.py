@@ -1,21 +1,17 @@
 """The experiment's figures, drawn with matplotlib (no display needed)."""
 
-import os
-import tempfile
-
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from keras_multigpu._io import atomic_path  # noqa: E402
+
 
 def _save(figure, path):
-    directory = os.path.dirname(os.path.abspath(path))
-    handle, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".png", dir=directory)
-    os.close(handle)
-    figure.savefig(tmp, dpi=110, bbox_inches="tight")
+    with atomic_path(path, ".png") as tmp:
+        figure.savefig(tmp, dpi=110, bbox_inches="tight")
     plt.close(figure)
-    os.replace(tmp, path)
 
 
 def _title(summary):
