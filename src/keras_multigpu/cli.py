@@ -126,6 +126,24 @@ def cmd_compare(args):
     return max(_check_target(s["final_val_accuracy"], args.target_acc) for s, _ in runs)
 
 
+def cmd_bench(args):
+    from keras_multigpu import bench
+
+    if args.setups:
+        setups = [bench.parse(name) for name in args.setups.split(",") if name.strip()]
+    else:
+        found = devices_lib.list_devices()
+        count = args.devices or (len(found) if found[0].kind == "gpu" else 2)
+        setups = bench.default_setups(count)
+    spec = bench.spec(model=args.model, width=args.width, samples=args.samples,
+                      epochs=args.epochs, batch_per_device=args.batch_per_device,
+                      precision=args.precision)
+    results = bench.run(setups, spec, rounds=args.rounds, output=args.output,
+                        timeout=args.timeout, step_ms=args.step_ms)
+    print(bench.format_table(results))
+    return 0
+
+
 def build_parser():
     parser = argparse.ArgumentParser(
         prog="keras-multigpu",
@@ -150,6 +168,26 @@ def build_parser():
     compare.add_argument("--gpus", type=_gpu_list, default=[1, 2], help="e.g. 1,2,4")
     _add_training_flags(compare)
     compare.set_defaults(func=cmd_compare)
+
+    bench = sub.add_parser("bench", help="throughput of ours, plain Keras and the peers")
+    bench.add_argument("--setups", default=None,
+                       help="e.g. plain-1,ours-1,ours-2,dataparallel-2,mirrored-2 "
+                            "(default: all at 1..--devices)")
+    bench.add_argument("--devices", type=_positive_int, default=None,
+                       help="largest device count (default: all GPUs, or 2 virtual CPUs)")
+    bench.add_argument("--model", choices=["minigooglenet", "dense"], default="minigooglenet")
+    bench.add_argument("--width", type=float, default=0.25)
+    bench.add_argument("--samples", type=_positive_int, default=2048)
+    bench.add_argument("--epochs", type=_positive_int, default=3, help="timed epochs per run")
+    bench.add_argument("--batch-per-device", type=_positive_int, default=64)
+    bench.add_argument("--rounds", type=_positive_int, default=3)
+    bench.add_argument("--precision", default="float32",
+                       choices=["float32", "mixed_bfloat16", "mixed_float16"])
+    bench.add_argument("--step-ms", type=float, default=None,
+                       help="project scaling from this one-device step time instead")
+    bench.add_argument("--timeout", type=float, default=900, help="seconds per worker")
+    bench.add_argument("--output", default="runs/bench")
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -1,0 +1,162 @@
+"""Runs setups in their own processes, interleaved over rounds, and reports.
+
+Round r runs every setup once, in order (A, B, C, A, B, C, ...), so that a
+slow moment of the machine touches every setup alike. Each figure reported is
+the median over rounds, with min and max. Speed-up and efficiency are against
+`ours-1` (ours on one device).
+"""
+
+import importlib.metadata
+import json
+import logging
+import os
+import platform
+import statistics
+import subprocess
+import sys
+
+from keras_multigpu._io import atomic_path
+from keras_multigpu.bench import scaling
+from keras_multigpu.bench import setups as setups_lib
+
+logger = logging.getLogger(__name__)
+
+FIGURES = ("images_per_second", "ms_per_step", "compiled_step_ms", "outside_step_ms",
+           "compile_seconds", "peak_host_memory_mb")
+
+
+def machine():
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    from keras_multigpu import devices
+
+    versions = {}
+    for package in ("keras", "jax", "jaxlib", "tensorflow", "numpy"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return {"platform": platform.platform(), "cpu": cpu, "cores": os.cpu_count(),
+            "devices": [f"{d} {d.name}" for d in devices.list_devices()],
+            "python": platform.python_version(), "versions": versions}
+
+
+def run_worker(setup, spec, virtual, timeout):
+    env = setup.environment(os.environ, virtual)
+    payload = json.dumps({**spec, "setup": setup.name})
+    result = subprocess.run(
+        [sys.executable, "-m", "keras_multigpu.bench.worker", payload], env=env,
+        capture_output=True, text=True, timeout=timeout, check=False,
+    )
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    if result.returncode != 0 or not lines:
+        raise RuntimeError(f"benchmark worker {setup.name} failed (exit {result.returncode}):\n"
+                           f"{result.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def _spread(values):
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def summarize(runs, spec):
+    """Medians, spreads, speed-ups and the ratios the targets are stated in."""
+    table = {}
+    for name, results in runs.items():
+        first = results[0]
+        table[name] = {"engine": first["engine"], "devices": first["devices"],
+                       "parameters": first["parameters"],
+                       **{k: _spread([r[k] for r in results]) for k in FIGURES}}
+    base = table.get("ours-1") or table.get("plain-1")
+    for row in table.values():
+        if base:
+            speedup = row["images_per_second"]["median"] / base["images_per_second"]["median"]
+            row["speedup"] = speedup
+            row["efficiency"] = speedup / row["devices"]
+    ratios = {}
+
+    def ratio(a, b):
+        if a in table and b in table:
+            ratios[f"{a} / {b}"] = (table[a]["images_per_second"]["median"]
+                                    / table[b]["images_per_second"]["median"])
+
+    ratio("ours-1", "plain-1")
+    for name, row in table.items():
+        if row["engine"] == "ours" and row["devices"] > 1:
+            ratio(name, "ours-1")
+            ratio(name, f"dataparallel-{row['devices']}")
+            ratio(name, f"mirrored-{row['devices']}")
+    return table, ratios
+
+
+def projection(table, step_ms=None):
+    one = table.get("ours-1")
+    if one is None or (step_ms is None and one["compiled_step_ms"] is None):
+        return None
+    compute = (step_ms if step_ms is not None else one["compiled_step_ms"]["median"]) / 1000
+    grad_bytes = 4 * one["parameters"]
+    return {"compute_ms": compute * 1000, "grad_bytes": grad_bytes,
+            "source": "--step-ms" if step_ms is not None else "measured ours-1 compiled step",
+            "assumptions": scaling.ASSUMPTIONS,
+            "rows": scaling.project(compute, grad_bytes)}
+
+
+def run(setups, spec, rounds=3, output=None, timeout=900, step_ms=None):
+    """Measures every setup `rounds` times; writes results.json and plots to `output`."""
+    virtual = setups_lib.cpu_only()
+    skipped = {s.name: setups_lib.available(s) for s in setups if setups_lib.available(s)}
+    active = [s for s in setups if s.name not in skipped]
+    runs = {s.name: [] for s in active}
+    for round_ in range(rounds):
+        for setup in active:
+            result = run_worker(setup, spec, virtual, timeout)
+            runs[setup.name].append(result)
+            logger.info("round %d %s: %.1f img/s", round_ + 1, setup.name,
+                        result["images_per_second"])
+    table, ratios = summarize(runs, spec)
+    results = {"command": " ".join(sys.argv), "spec": spec, "rounds": rounds,
+               "virtual_cpu_devices": virtual, "machine": machine(), "skipped": skipped,
+               "table": table, "ratios": ratios, "projection": projection(table, step_ms),
+               "raw": runs}
+    if output:
+        os.makedirs(output, exist_ok=True)
+        with atomic_path(os.path.join(output, "results.json"), ".json") as tmp, \
+                open(tmp, "w") as f:
+            json.dump(results, f, indent=2)
+        from keras_multigpu.bench import plots
+
+        plots.draw(results, output)
+    return results
+
+
+def format_table(results):
+    lines = [f"{'setup':16}{'dev':>4}{'img/s':>10}{'min':>9}{'max':>9}{'ms/step':>9}"
+             f"{'in step':>9}{'outside':>9}{'compile s':>10}{'eff.':>6}"]
+    for name, row in results["table"].items():
+        median = {k: float("nan") if row[k] is None else row[k]["median"] for k in FIGURES}
+        ips = row["images_per_second"]
+        lines.append(f"{name:16}{row['devices']:>4}{ips['median']:>10.1f}{ips['min']:>9.1f}"
+                     f"{ips['max']:>9.1f}{median['ms_per_step']:>9.2f}"
+                     f"{median['compiled_step_ms']:>9.2f}{median['outside_step_ms']:>9.2f}"
+                     f"{median['compile_seconds']:>10.1f}{row.get('efficiency', 1.0):>6.2f}")
+    for name, reason in results["skipped"].items():
+        lines.append(f"{name:16} skipped: {reason}")
+    lines.append("")
+    lines += [f"{name:32} {value:.3f}" for name, value in results["ratios"].items()]
+    if results["projection"]:
+        p = results["projection"]
+        lines.append(f"\nProjected efficiency from {p['source']} ({p['compute_ms']:.2f} ms, "
+                     f"{p['grad_bytes'] / 1e6:.1f} MB of gradients); assumptions: "
+                     f"{p['assumptions']}")
+        for row in p["rows"]:
+            lines.append(f"  {row['link']:22} {row['devices']:>3} GPUs: "
+                         f"{100 * row['efficiency']:5.1f} % (no overlap), "
+                         f"{100 * row['efficiency_overlap']:5.1f} % (overlap)")
+    return "\n".join(lines)

@@ -1,0 +1,135 @@
+"""The configurations `keras-multigpu bench` compares; one function each.
+
+A setup is a name, an engine, a device count and the environment its worker
+process needs. Its `train` function receives a model builder and the data,
+and returns a fitted Keras model: adding a configuration is a few lines here.
+"""
+
+import dataclasses
+
+XLA_DEVICE_FLAG = "--xla_force_host_platform_device_count"
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """One benchmark configuration.
+
+    Attributes:
+        engine: "ours", "plain", "dataparallel" (keras.distribution, JAX) or
+            "mirrored" (tf.distribute.MirroredStrategy).
+        devices: replicas; the global batch is devices x batch per device.
+    """
+
+    engine: str
+    devices: int
+
+    @property
+    def name(self):
+        return f"{self.engine}-{self.devices}"
+
+    @property
+    def backend(self):
+        return "tensorflow" if self.engine == "mirrored" else "jax"
+
+    def environment(self, base, virtual):
+        """The worker's environment; `virtual` says devices are virtual CPUs."""
+        env = {k: v for k, v in base.items() if not k.startswith("KERAS_MULTIGPU_")}
+        env["KERAS_BACKEND"] = self.backend
+        flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(XLA_DEVICE_FLAG)]
+        if virtual and self.backend == "jax":
+            flags.append(f"{XLA_DEVICE_FLAG}={self.devices}")
+        env["XLA_FLAGS"] = " ".join(flags)
+        return env
+
+
+def parse(name):
+    engine, _, devices = name.rpartition("-")
+    if engine not in TRAIN or not devices.isdigit() or int(devices) < 1:
+        raise ValueError(
+            f"Unknown setup {name!r}: expected ENGINE-DEVICES with ENGINE in "
+            f"{sorted(TRAIN)}, e.g. ours-2."
+        )
+    if engine == "plain" and devices != "1":
+        raise ValueError(f"plain Keras runs on one device. Received: {name!r}.")
+    return Setup(engine, int(devices))
+
+
+def _compile(model, precision_loss="categorical_crossentropy"):
+    import keras
+
+    model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9), loss=precision_loss,
+                  metrics=["accuracy"])
+    return model
+
+
+def _train_plain(setup, build, fit):
+    return fit(_compile(build()))
+
+
+def _train_ours(setup, build, fit):
+    import keras_multigpu as kmg
+
+    return fit(_compile(kmg.multi_gpu_model(build(), gpus=setup.devices)))
+
+
+def _train_dataparallel(setup, build, fit):
+    import jax
+    import keras
+
+    distribution = keras.distribution.DataParallel(devices=jax.devices()[: setup.devices])
+    with distribution.scope():  # as Keras's guide does: build, compile, fit inside
+        return fit(_compile(build()))
+
+
+def _train_mirrored(setup, build, fit):
+    import tensorflow as tf
+
+    cpus = tf.config.list_physical_devices("CPU")
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        devices = [f"/gpu:{i}" for i in range(setup.devices)]
+    else:
+        tf.config.set_logical_device_configuration(
+            cpus[0], [tf.config.LogicalDeviceConfiguration()] * setup.devices
+        )
+        devices = [f"/cpu:{i}" for i in range(setup.devices)]
+    strategy = tf.distribute.MirroredStrategy(devices=devices)
+    with strategy.scope():
+        model = _compile(build())
+    return fit(model)
+
+
+TRAIN = {
+    "plain": _train_plain,
+    "ours": _train_ours,
+    "dataparallel": _train_dataparallel,
+    "mirrored": _train_mirrored,
+}
+
+
+def available(setup):
+    """None when the setup can run here, else the reason it cannot."""
+    if setup.backend == "tensorflow":
+        import importlib.util
+
+        if importlib.util.find_spec("tensorflow") is None:
+            return "tensorflow is not installed (pip install tensorflow-cpu)"
+    return None
+
+
+def default_setups(max_devices):
+    """Ours at 1..N, plain Keras, and the peers at the same counts above 1."""
+    counts = sorted({1, *range(2, max_devices + 1)})
+    setups = [Setup("plain", 1)] + [Setup("ours", n) for n in counts]
+    for n in counts[1:]:
+        setups += [Setup("dataparallel", n), Setup("mirrored", n)]
+    return setups
+
+
+def cpu_only():
+    """True when NVML sees no GPU (then devices are virtual CPU devices)."""
+    from keras_multigpu import devices
+
+    return all(d.kind == "cpu" for d in devices.list_devices())
+
+

@@ -1,0 +1,126 @@
+"""One benchmark configuration, measured inside its own process.
+
+Run by the harness as `python -m keras_multigpu.bench.worker SPEC_JSON`; prints
+one JSON line. The environment (backend, device count) is set by the parent
+before this process starts, because both are fixed when the framework starts.
+"""
+
+import contextlib
+import itertools
+import json
+import resource
+import statistics
+import sys
+import time
+
+
+def build_model(name, width):
+    import keras
+
+    from keras_multigpu import models
+
+    if name == "minigooglenet":
+        return models.mini_googlenet(width=width)
+    if name == "dense":  # per-step overhead: almost no compute per step
+        return keras.Sequential([keras.Input((32, 32, 3)), keras.layers.Flatten(),
+                                 keras.layers.Dense(64, activation="relu"),
+                                 keras.layers.Dense(10, activation="softmax")])
+    raise ValueError(f"model must be minigooglenet or dense. Received: model={name!r}.")
+
+
+class EpochTimer:
+    """A Keras callback (built lazily: Keras is imported in the worker only)."""
+
+    def __new__(cls):
+        import keras
+
+        class _Timer(keras.callbacks.Callback):
+            def __init__(self):
+                super().__init__()
+                self.seconds = []
+
+            def on_epoch_begin(self, epoch, logs=None):
+                self._start = time.perf_counter()
+
+            def on_epoch_end(self, epoch, logs=None):
+                self.seconds.append(time.perf_counter() - self._start)
+
+        return _Timer()
+
+
+def compiled_step_seconds(model, x, y, repeats):
+    """Seconds per call of the compiled training step alone, on placed data.
+
+    The batch is placed on the devices once and the step is called on it
+    repeatedly: no host data work, no callbacks. Wall time per step minus
+    this is what happens outside the step. JAX engines only.
+    """
+    import jax
+    from keras.src.backend.jax.trainer import _distribute_data
+
+    from keras_multigpu import ParallelModel, batching
+
+    scope = contextlib.nullcontext()
+    batch = (x, y)
+    if isinstance(model, ParallelModel):
+        batch, _ = batching.pad_batch(batch, model.num_replicas)
+        scope = model._placed()
+    with scope:
+        data = _distribute_data(batch)
+        state = model._get_jax_state(trainable_variables=True, non_trainable_variables=True,
+                                     optimizer_variables=True, metrics_variables=True)
+        for _ in range(2):  # warm-up (compiled already by fit; the cache is hit)
+            _, state = model.train_function(state, itertools.repeat(data))
+        jax.block_until_ready(state)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            _, state = model.train_function(state, itertools.repeat(data))
+        jax.block_until_ready(state)
+    # The state was donated to the step: this model is not used again.
+    return (time.perf_counter() - start) / repeats
+
+
+def measure(spec):
+    from keras_multigpu.bench import setups
+
+    setup = setups.parse(spec["setup"])
+    import keras
+    import numpy as np
+
+    keras.config.set_dtype_policy(spec.get("precision", "float32"))
+    keras.utils.set_random_seed(0)
+    batch = spec["batch_per_device"] * setup.devices
+    steps = max(spec["samples"] // batch, 1)
+    samples = steps * batch
+    rng = np.random.default_rng(0)
+    x = rng.uniform(0, 255, (samples, 32, 32, 3)).astype("float32")
+    y = keras.utils.to_categorical(rng.integers(0, 10, samples), 10)
+    timer = EpochTimer()
+
+    def fit(model):
+        model.fit(x, y, batch_size=batch, epochs=1 + spec["epochs"], shuffle=False, verbose=0,
+                  callbacks=[timer])
+        if setup.backend == "jax":
+            fit.step = compiled_step_seconds(model, x[:batch], y[:batch], spec["step_repeats"])
+        fit.params = model.count_params()
+        return model
+
+    fit.step = None
+    setups.TRAIN[setup.engine](setup, lambda: build_model(spec["model"], spec["width"]), fit)
+    steady = statistics.median(timer.seconds[1:])
+    wall_step = steady / steps
+    return {
+        "setup": setup.name, "engine": setup.engine, "devices": setup.devices,
+        "global_batch": batch, "samples": samples, "steps_per_epoch": steps,
+        "epoch_seconds": timer.seconds[1:], "images_per_second": samples / steady,
+        "ms_per_step": 1000 * wall_step,
+        "compiled_step_ms": None if fit.step is None else 1000 * fit.step,
+        "outside_step_ms": None if fit.step is None else 1000 * (wall_step - fit.step),
+        "compile_seconds": timer.seconds[0] - steady,
+        "peak_host_memory_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "parameters": int(fit.params),
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps(measure(json.loads(sys.argv[1]))), flush=True)

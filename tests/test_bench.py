@@ -1,0 +1,70 @@
+"""The benchmark harness: a tiny real run gives valid JSON and plots; the cost model."""
+
+import importlib.util
+import json
+
+import pytest
+
+from keras_multigpu import bench, cli
+from keras_multigpu.bench import scaling
+
+
+def test_setup_names():
+    assert bench.parse("ours-4") == bench.Setup("ours", 4)
+    assert bench.parse("mirrored-2").backend == "tensorflow"
+    for bad in ("ours", "ours-0", "horovod-2", "plain-2", "ours-x"):
+        with pytest.raises(ValueError, match=bad):
+            bench.parse(bad)
+    names = [s.name for s in bench.default_setups(3)]
+    assert names == ["plain-1", "ours-1", "ours-2", "ours-3", "dataparallel-2", "mirrored-2",
+                     "dataparallel-3", "mirrored-3"]
+
+
+def test_worker_environment_sets_devices_and_backend():
+    env = bench.Setup("dataparallel", 3).environment(
+        {"KERAS_MULTIGPU_CPU_DEVICES": "8", "XLA_FLAGS": "--xla_force_host_platform_device_count=8 "
+         "--other"}, virtual=True)
+    assert env["KERAS_BACKEND"] == "jax" and "KERAS_MULTIGPU_CPU_DEVICES" not in env
+    assert env["XLA_FLAGS"] == "--other --xla_force_host_platform_device_count=3"
+    assert bench.Setup("mirrored", 2).environment({}, virtual=True)["KERAS_BACKEND"] == "tensorflow"
+
+
+def test_tiny_run_writes_results_and_plots(tmp_path, capsys):
+    code = cli.main(["bench", "--setups", "plain-1,ours-1,ours-2,dataparallel-2,mirrored-2",
+                     "--model", "dense", "--samples", "256", "--epochs", "2", "--rounds", "1",
+                     "--batch-per-device", "32", "--output", str(tmp_path)])
+    assert code == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+    expected = {"plain-1", "ours-1", "ours-2", "dataparallel-2"}
+    if importlib.util.find_spec("tensorflow") is None:
+        assert "tensorflow is not installed" in results["skipped"]["mirrored-2"]
+    else:
+        expected.add("mirrored-2")
+    assert set(results["table"]) == expected
+    for name, row in results["table"].items():
+        assert row["images_per_second"]["median"] > 0, name
+        step = row["ms_per_step"]
+        assert step["min"] <= step["median"] <= step["max"]
+    two = results["table"]["ours-2"]
+    assert two["devices"] == 2 and two["efficiency"] == pytest.approx(two["speedup"] / 2)
+    assert two["compiled_step_ms"]["median"] > 0  # the step alone, on placed data
+    assert results["raw"]["ours-2"][0]["global_batch"] == 64
+    assert {"ours-1 / plain-1", "ours-2 / ours-1", "ours-2 / dataparallel-2"} <= set(
+        results["ratios"])
+    assert results["projection"]["rows"] and results["machine"]["cores"] >= 1
+    printed = capsys.readouterr().out
+    assert "ours-2 / dataparallel-2" in printed and "Projected efficiency" in printed
+
+
+def test_cost_model_behaves():
+    rows = scaling.project(2e-3, 6.6e6, counts=(2, 4, 8, 16))
+    nvlink = [r for r in rows if r["link"].startswith("NVLink")]
+    pcie4 = [r for r in rows if r["link"] == "PCIe Gen4 x16"]
+    assert [r["devices"] for r in nvlink] == [2, 4, 8, 16]
+    efficiencies = [r["efficiency"] for r in pcie4]
+    assert efficiencies == sorted(efficiencies, reverse=True)  # more GPUs, more exposed comm
+    for fast, slow in zip(nvlink, pcie4):
+        assert fast["efficiency"] > slow["efficiency"]
+        assert fast["efficiency_overlap"] >= fast["efficiency"]
+    assert scaling.allreduce_seconds(1e9, 1, 1e9, 1e-5) == 0.0
