@@ -225,7 +225,12 @@ def _epoch(ds):
     """The real rows' x values (a column of sample ids), batch by batch."""
     seen = []
     for i in range(ds.num_batches):
-        x, y, (weights, mask) = ds[i]
+        batch = ds[i]
+        if len(batch) == 2:  # neither padding nor weights: every row is real
+            (x, y), mask = batch, np.ones(len(batch[0]), "float32")
+            weights = mask
+        else:
+            x, y, (weights, mask) = batch
         real = mask == 1.0
         assert x.shape[0] % ds.replicas == 0
         np.testing.assert_array_equal(x[:, 0], y)  # x and y rows stay paired
@@ -425,3 +430,13 @@ def test_module_doctests():
     results = doctest.testmod(keras_multigpu.batching, verbose=False)
     assert results.attempted > 0
     assert results.failed == 0
+
+
+def test_arrays_without_padding_or_weights_carry_no_mask():
+    x, y = _ids(12)
+    assert len(ArrayBatches(x, y, None, plan(12, 4, 2))[0]) == 2  # (x, y)
+    # One padded batch anywhere (or weights) gives every batch the mask, since
+    # Keras fixes the data layout from an epoch's first batch.
+    assert len(ArrayBatches(x, y, None, plan(12, 5, 2))[0]) == 3
+    assert len(ArrayBatches(x, y, np.ones(12), plan(12, 4, 2))[0]) == 3
+    assert len(pad_batch((_x(6), np.arange(6)), replicas=3)[0]) == 3  # streams: always

@@ -1,5 +1,7 @@
 """Every input Keras accepts gives the same training as NumPy arrays."""
 
+import importlib.util
+
 import keras
 import numpy as np
 import pytest
@@ -99,3 +101,19 @@ def test_threaded_py_dataset_trains_and_predicts_in_order(dense_model):
     np.testing.assert_allclose(
         parallel.predict(Batches(workers=2), verbose=0), template.predict(X, verbose=0), atol=1e-6
     )
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None,
+                    reason="tf.data needs TensorFlow, which is not installed")
+def test_tf_data_equals_arrays(dense_model, reference):
+    import tensorflow as tf
+
+    def dataset():
+        return tf.data.Dataset.from_tensor_slices((X, Y)).batch(BATCH)
+
+    template, parallel, history = train(dense_model, dataset())
+    weights, logs = reference
+    assert_weights_close(weights, template.get_weights())
+    np.testing.assert_allclose(logs["loss"], history.history["loss"], rtol=1e-5)
+    np.testing.assert_allclose(parallel.predict(dataset(), verbose=0),
+                               template.predict(X, verbose=0), atol=1e-6)

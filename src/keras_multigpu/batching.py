@@ -15,9 +15,10 @@ instead of writing zeros keeps padded activations in the data's own range,
 so BatchNormalization's batch statistics stay finite and close to the real
 rows' statistics (see README, "Semantics").
 
-Every padded batch is `(x, y, (weights, mask))`: `weights` is the user's
-sample weight (or class weight) times the mask, and `ParallelModel` uses the
-mask to make the loss and the metrics those of the real rows alone.
+Batches are `(x, y, (weights, mask))`: `weights` is the user's sample weight
+(or class weight) times the mask, and `ParallelModel` uses the mask to make
+the loss and the metrics those of the real rows alone. Arrays that need no
+padding in any batch and carry no weights stay `(x, y)`.
 """
 
 import dataclasses
@@ -135,8 +136,13 @@ def pad_batch(batch, replicas, class_weight=None):
     return with_mask(gathered, mask, class_weight), rows
 
 
-def with_mask(batch, mask, class_weight=None):
-    """Adds `(weights, mask)` to an already padded batch (see `pad_batch`)."""
+def with_mask(batch, mask, class_weight=None, always=True):
+    """Adds `(weights, mask)` to an already padded batch (see `pad_batch`).
+
+    With `always=False`, a batch with neither padding nor weights stays
+    `(x, y)`. Keras fixes the data layout from an epoch's first batch, so a
+    dataset passes False only when none of its batches needs a mask.
+    """
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
     if y is None:
         return (x,)
@@ -155,6 +161,8 @@ def with_mask(batch, mask, class_weight=None):
             tree.flatten(y)[0], class_weight
         )
     if sample_weight is None:
+        if not always and mask.all():
+            return x, y
         weights = mask
     else:
         weights = tree.map_structure(
@@ -203,6 +211,12 @@ class ArrayBatches(PaddedBatches):
         self.x, self.y, self.sample_weight = x, y, sample_weight
         self.plan = plan
         self.shuffle = shuffle
+        # Without padding or weights anywhere, batches stay (x, y): the step
+        # runs as Keras's own and two small copies per step are saved.
+        self.masked = (
+            sample_weight is not None or class_weight is not None
+            or any(plan.rows(i) % plan.replicas for i in range(plan.num_batches))
+        )
         self.order = np.arange(plan.num_samples)
         self.on_epoch_end()
 
@@ -219,7 +233,7 @@ class ArrayBatches(PaddedBatches):
         padding, mask = pad_indices(len(rows), self.replicas)
         batch = tuple(_take(part, rows[padding]) for part in (self.x, self.y, self.sample_weight))
         self.rows[index] = len(rows)
-        return with_mask(batch, mask, self.class_weight)
+        return with_mask(batch, mask, self.class_weight, always=self.masked)
 
     def on_epoch_end(self):
         if self.shuffle:

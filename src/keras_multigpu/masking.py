@@ -72,7 +72,13 @@ def scales_by_rows(loss):
 
 
 def compute_loss(model, y, y_pred, weights, mask, scale_by_rows):
-    """The total loss of the real rows; records it in the loss tracker."""
+    """The total loss of the real rows; records it in the loss tracker.
+
+    `weights` and `mask` are None for a batch with neither padding nor
+    weights: then this is Keras's own computation.
+    """
+    if mask is None:
+        mask = ops.ones((ops.shape(tree.flatten(y_pred)[0])[0],), "float32")
     rows = ops.sum(mask)
     padded = ops.cast(ops.shape(mask)[0], rows.dtype)
     losses = []
@@ -101,6 +107,9 @@ def compute_loss(model, y, y_pred, weights, mask, scale_by_rows):
 def update_metrics(compile_metrics, y, y_pred, weights, mask):
     """`CompileMetrics.update_state`, with the mask as every metric's weight."""
     if compile_metrics is None:
+        return
+    if mask is None:  # neither padding nor weights
+        compile_metrics.update_state(y, y_pred)
         return
     if not compile_metrics.built:
         compile_metrics.build(y, y_pred)

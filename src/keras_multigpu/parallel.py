@@ -136,11 +136,11 @@ class ParallelModel(keras.Model):
         object.__setattr__(self, "_loss_tracker", masking.RowMean(name="loss"))
 
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
-        weights, mask = sample_weight
+        weights, mask = sample_weight or (None, None)
         return masking.compute_loss(self, y, y_pred, weights, mask, self._scale_by_rows)
 
     def compute_metrics(self, x, y, y_pred, sample_weight=None):
-        weights, mask = sample_weight
+        weights, mask = sample_weight or (None, None)
         masking.update_metrics(self._compile_metrics, y, y_pred, weights, mask)
         return self.get_metrics_result()
 

@@ -26,7 +26,8 @@ def draw(results, output):
         ax.set_xlabel("devices")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     names = list(table)
     bar_ax.bar(names, [table[n]["images_per_second"]["median"] for n in names],
                yerr=[[table[n]["images_per_second"]["median"] - table[n]["images_per_second"]["min"]
