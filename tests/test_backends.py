@@ -27,7 +27,8 @@ def _fresh_import(monkeypatch, name):
 
 def test_backend_names():
     assert backends.BACKENDS == ("jax", "tensorflow", "torch")
-    assert len(set(backends.API)) == len(backends.API) == 6
+    assert len(set(backends.API)) == len(backends.API) == 7
+    assert "resident" in backends.API
 
 
 @pytest.mark.parametrize("name", backends.BACKENDS)

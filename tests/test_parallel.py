@@ -325,3 +325,31 @@ def test_no_compilation_after_the_first_epoch(dense_model, gpus):
     parallel.fit(x, y, batch_size=16, epochs=4, validation_data=(x[:10], y[:10]), verbose=0,
                  callbacks=[record])
     assert per_epoch[1:] == [per_epoch[0]] * 3
+
+
+def test_array_batches_are_gathered_on_the_devices(dense_model):
+    import jax
+
+    x, y = classification_data(30)
+    parallel = kmg.multi_gpu_model(dense_model(), gpus=3)
+    data, _ = parallel._padded(x, y, batch_size=8)
+    assert data.take is not None
+    batch_x, batch_y, (weights, mask) = data[3]  # the last batch: 6 rows, no padding needed
+    assert isinstance(batch_x, jax.Array) and len(batch_x.sharding.device_set) == 3
+    assert batch_x.shape == (6, 6) and not batch_x.sharding.is_fully_replicated
+    np.testing.assert_array_equal(np.asarray(batch_x), x[24:30])
+    np.testing.assert_array_equal(np.asarray(batch_y), y[24:30])
+
+
+def test_large_arrays_stay_on_the_host_with_the_same_results(dense_model, monkeypatch):
+    from keras_multigpu import parallel as parallel_module
+
+    x, y = classification_data(40)
+    resident = compile_sgd(kmg.multi_gpu_model(dense_model(), gpus=4))
+    expected = resident.fit(x, y, batch_size=7, epochs=2, shuffle=False, verbose=0)
+    monkeypatch.setattr(parallel_module, "RESIDENT_LIMIT_BYTES", 100)
+    host = compile_sgd(kmg.multi_gpu_model(dense_model(), gpus=4))
+    assert host._padded(x, y, batch_size=7)[0].take is None
+    history = host.fit(x, y, batch_size=7, epochs=2, shuffle=False, verbose=0)
+    assert_history_close(expected, history)
+    assert_weights_close(resident.get_weights(), host.get_weights())

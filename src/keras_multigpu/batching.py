@@ -136,6 +136,23 @@ def pad_batch(batch, replicas, class_weight=None):
     return with_mask(gathered, mask, class_weight), rows
 
 
+def class_sample_weights(y, class_weight, sample_weight=None):
+    """Per-sample weights from `class_weight` (Keras's own conversion)."""
+    if sample_weight is not None:
+        raise ValueError(
+            "Pass either class_weight or sample_weight, not both. "
+            f"Received: class_weight={class_weight!r} and sample weights."
+        )
+    if len(tree.flatten(y)) != 1:
+        raise ValueError(
+            "class_weight works with a single target array; this model "
+            "has several outputs. Pass per-output sample_weight instead."
+        )
+    return data_adapter_utils.class_weight_to_sample_weights(
+        np.asarray(tree.flatten(y)[0]), class_weight
+    )
+
+
 def with_mask(batch, mask, class_weight=None, always=True):
     """Adds `(weights, mask)` to an already padded batch (see `pad_batch`).
 
@@ -147,19 +164,7 @@ def with_mask(batch, mask, class_weight=None, always=True):
     if y is None:
         return (x,)
     if class_weight is not None:
-        if sample_weight is not None:
-            raise ValueError(
-                "Pass either class_weight or sample_weight, not both. "
-                f"Received: class_weight={class_weight!r} and sample weights."
-            )
-        if len(tree.flatten(y)) != 1:
-            raise ValueError(
-                "class_weight works with a single target array; this model "
-                "has several outputs. Pass per-output sample_weight instead."
-            )
-        sample_weight = data_adapter_utils.class_weight_to_sample_weights(
-            tree.flatten(y)[0], class_weight
-        )
+        sample_weight = class_sample_weights(y, class_weight, sample_weight)
     if sample_weight is None:
         if not always and mask.all():
             return x, y
@@ -200,23 +205,32 @@ class PaddedBatches(keras.utils.PyDataset):
 
 
 class ArrayBatches(PaddedBatches):
-    """Arrays (or dicts/lists of arrays) batched by a `Plan`, shuffled per epoch."""
+    """Arrays (or dicts/lists of arrays) batched by a `Plan`, shuffled per epoch.
 
-    def __init__(self, x, y, sample_weight, plan, shuffle=False, class_weight=None):
-        super().__init__(plan.replicas, class_weight)
+    With `place`, a function that puts `(x, y)` on the devices and returns
+    `take(index)` (see `backends`), each batch is gathered on the devices
+    instead of sliced on the host; `place` may return None to decline.
+    """
+
+    def __init__(self, x, y, sample_weight, plan, shuffle=False, class_weight=None,
+                 place=None):
+        super().__init__(plan.replicas)
         x, y, sample_weight = (
             None if part is None else tree.map_structure(np.asarray, part)
             for part in (x, y, sample_weight)
         )
+        if class_weight is not None and y is not None:
+            # Once for the whole set, rather than per batch.
+            sample_weight = class_sample_weights(y, class_weight, sample_weight)
         self.x, self.y, self.sample_weight = x, y, sample_weight
         self.plan = plan
         self.shuffle = shuffle
         # Without padding or weights anywhere, batches stay (x, y): the step
         # runs as Keras's own and two small copies per step are saved.
-        self.masked = (
-            sample_weight is not None or class_weight is not None
-            or any(plan.rows(i) % plan.replicas for i in range(plan.num_batches))
+        self.masked = sample_weight is not None or any(
+            plan.rows(i) % plan.replicas for i in range(plan.num_batches)
         )
+        self.take = place((x, y)) if place is not None else None
         self.order = np.arange(plan.num_samples)
         self.on_epoch_end()
 
@@ -231,9 +245,14 @@ class ArrayBatches(PaddedBatches):
         rows = self.order[start : start + self.plan.batch_size]
         # One gather per array: the batch's rows and its padding together.
         padding, mask = pad_indices(len(rows), self.replicas)
-        batch = tuple(_take(part, rows[padding]) for part in (self.x, self.y, self.sample_weight))
+        index_rows = rows[padding]
+        if self.take is not None:
+            x, y = self.take(index_rows.astype("int32"))
+        else:
+            x, y = _take(self.x, index_rows), _take(self.y, index_rows)
         self.rows[index] = len(rows)
-        return with_mask(batch, mask, self.class_weight, always=self.masked)
+        return with_mask((x, y, _take(self.sample_weight, index_rows)), mask,
+                         always=self.masked)
 
     def on_epoch_end(self):
         if self.shuffle:
@@ -295,8 +314,12 @@ def _is_array_like(x):
 
 
 def as_padded(x, y=None, sample_weight=None, *, batch_size=None, replicas,
-              shuffle=False, class_weight=None, drop_remainder=False):
+              shuffle=False, class_weight=None, drop_remainder=False, place=None):
     """Turns what `Model.fit` accepts into padded batches.
+
+    Args:
+        place: for array inputs, a function that puts `(x, y)` on the devices
+            and returns `take(index)`, or None to keep them on the host.
 
     Returns:
         `(data, dataset)`: `data` is what to hand to Keras (a `PyDataset`, or
@@ -355,6 +378,6 @@ def as_padded(x, y=None, sample_weight=None, *, batch_size=None, replicas,
     dataset = ArrayBatches(
         x, y, sample_weight,
         plan(rows, batch_size, replicas, drop_remainder),
-        shuffle=bool(shuffle), class_weight=class_weight,
+        shuffle=bool(shuffle), class_weight=class_weight, place=place,
     )
     return dataset, dataset

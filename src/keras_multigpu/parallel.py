@@ -52,6 +52,11 @@ def multi_gpu_model(model, gpus=None):
     return ParallelModel(model, chosen)
 
 
+# Array datasets up to this size (per device: each holds a copy) are placed on
+# the devices once per call, and every batch is gathered there.
+RESIDENT_LIMIT_BYTES = 2 * 2**30
+
+
 class ParallelModel(keras.Model):
     """A model replicated on `devices`, each global batch split among them.
 
@@ -146,8 +151,16 @@ class ParallelModel(keras.Model):
 
     # -- training and inference -----------------------------------------
 
+    def _place(self, arrays):
+        """Keeps array data on the devices when it is small enough (see README)."""
+        size = sum(leaf.nbytes for leaf in tree.flatten(arrays) if leaf is not None)
+        if size > RESIDENT_LIMIT_BYTES:
+            return None
+        return self._backend.resident(arrays, self._distribution)
+
     def _padded(self, x, y=None, sample_weight=None, **kwargs):
-        return batching.as_padded(x, y, sample_weight, replicas=self.num_replicas, **kwargs)
+        return batching.as_padded(x, y, sample_weight, replicas=self.num_replicas,
+                                  place=self._place, **kwargs)
 
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
             callbacks=None, validation_split=0.0, validation_data=None,

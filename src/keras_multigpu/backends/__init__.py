@@ -13,6 +13,8 @@ Every backend module defines the names in `API`:
   and splits each batch over `devices`.
 - `replicate(variables, distribution)`: place existing variables on every
   device of `distribution` (models are usually built before it exists).
+- `resident(arrays, distribution)`: place a dataset on the devices once and
+  return `take(index)`, which gathers a batch there, already split.
 - `process_index()`, `process_count()`: this host's rank and the host count.
 """
 
@@ -26,6 +28,7 @@ API = (
     "list_devices",
     "make_distribution",
     "replicate",
+    "resident",
     "process_index",
     "process_count",
 )

@@ -77,6 +77,23 @@ def replicate(variables, distribution):
         variable.assign(jax.device_put(value, target))
 
 
+def resident(arrays, distribution):
+    """Places `arrays` (a tree) on every device once; returns `take(index)`.
+
+    `take(index)` gathers those rows on the devices, already split along the
+    batch axis as Keras places a batch, so a step's data never leaves the
+    devices: no host slicing, no host-to-device copy (Keras's placement
+    returns an array that already has its sharding unchanged).
+    """
+    mesh = distribution.device_mesh.backend_mesh
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("batch"))
+    placed = jax.device_put(arrays, replicated)
+    gather = jax.jit(lambda tree, index: jax.tree.map(lambda a: a[index], tree),
+                     out_shardings=split)
+    return lambda index: gather(placed, jax.device_put(index, replicated))
+
+
 def process_index():
     return jax.process_index()
 

@@ -6,5 +6,6 @@ configure_cpu_devices = unsupported("tensorflow", "configure_cpu_devices", quiet
 list_devices = unsupported("tensorflow", "list_devices")
 make_distribution = unsupported("tensorflow", "make_distribution")
 replicate = unsupported("tensorflow", "replicate")
+resident = unsupported("tensorflow", "resident")
 process_index = unsupported("tensorflow", "process_index")
 process_count = unsupported("tensorflow", "process_count")

@@ -6,5 +6,6 @@ configure_cpu_devices = unsupported("torch", "configure_cpu_devices", quiet=True
 list_devices = unsupported("torch", "list_devices")
 make_distribution = unsupported("torch", "make_distribution")
 replicate = unsupported("torch", "replicate")
+resident = unsupported("torch", "resident")
 process_index = unsupported("torch", "process_index")
 process_count = unsupported("torch", "process_count")
