@@ -104,7 +104,7 @@ def test_backup_and_restore_resumes_after_interruption(dense_model, tmp_path):
 
 
 @pytest.mark.skipif(
-    importlib.util.find_spec("tensorflow") is None or importlib.util.find_spec("tensorboard") is None,
+    not all(importlib.util.find_spec(name) for name in ("tensorflow", "tensorboard")),
     reason="keras.callbacks.TensorBoard writes through TensorFlow and TensorBoard, not installed",
 )
 def test_tensorboard_writes_logs(dense_model, tmp_path):
