@@ -14,6 +14,7 @@ import os
 
 import keras
 from keras import tree
+from keras.src.utils import io_utils
 
 from keras_multigpu import backends, batching, masking
 from keras_multigpu import devices as devices_lib
@@ -249,10 +250,12 @@ class ParallelModel(keras.Model):
     def load_weights(self, filepath, **kwargs):
         self.template.load_weights(filepath, **kwargs)
 
-    def summary(self, *args, **kwargs):
-        print(f"ParallelModel on {self.num_replicas} device(s): "
+    def summary(self, *args, print_fn=None, **kwargs):
+        """The template's summary, after a line naming the devices."""
+        write = print_fn or io_utils.print_msg  # Keras's own, as its summary uses
+        write(f"ParallelModel on {self.num_replicas} device(s): "
               f"{', '.join(map(str, self._devices))}")
-        return self.template.summary(*args, **kwargs)
+        return self.template.summary(*args, print_fn=print_fn, **kwargs)
 
     def get_weights(self):
         return self.template.get_weights()

@@ -114,15 +114,25 @@ def run(setups, spec, rounds=3, output=None, timeout=900, step_ms=None):
     skipped = {s.name: setups_lib.available(s) for s in setups if setups_lib.available(s)}
     active = [s for s in setups if s.name not in skipped]
     runs = {s.name: [] for s in active}
+    failures = {}
     for round_ in range(rounds):
         for setup in active:
-            result = run_worker(setup, spec, virtual, timeout)
+            try:
+                result = run_worker(setup, spec, virtual, timeout)
+            except (RuntimeError, subprocess.TimeoutExpired) as error:
+                # A crashed or hung peer is a finding to report, not a reason to
+                # lose every other measurement.
+                failures.setdefault(setup.name, []).append(f"round {round_ + 1}: {error}"[-2000:])
+                logger.warning("round %d %s failed", round_ + 1, setup.name)
+                continue
             runs[setup.name].append(result)
             logger.info("round %d %s: %.1f img/s", round_ + 1, setup.name,
                         result["images_per_second"])
+    runs = {name: results for name, results in runs.items() if results}
     table, ratios = summarize(runs, spec)
     results = {"command": " ".join(sys.argv), "spec": spec, "rounds": rounds,
                "virtual_cpu_devices": virtual, "machine": machine(), "skipped": skipped,
+               "failures": failures,
                "table": table, "ratios": ratios, "projection": projection(table, step_ms),
                "raw": runs}
     if output:
@@ -148,6 +158,9 @@ def format_table(results):
                      f"{median['compile_seconds']:>10.1f}{row.get('efficiency', 1.0):>6.2f}")
     for name, reason in results["skipped"].items():
         lines.append(f"{name:16} skipped: {reason}")
+    for name, errors in results.get("failures", {}).items():
+        last = errors[-1].strip().splitlines()[-1][:150]
+        lines.append(f"{name:16} failed in {len(errors)} round(s); last: {last}")
     lines.append("")
     lines += [f"{name:32} {value:.3f}" for name, value in results["ratios"].items()]
     if results["projection"]:
