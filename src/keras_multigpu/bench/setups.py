@@ -54,11 +54,11 @@ def parse(name):
     return Setup(engine, int(devices))
 
 
-def _compile(model, precision_loss="categorical_crossentropy"):
+def _compile(model):
     import keras
 
-    model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9), loss=precision_loss,
-                  metrics=["accuracy"])
+    model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+                  loss="categorical_crossentropy", metrics=["accuracy"])
     return model
 
 

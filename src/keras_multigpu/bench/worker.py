@@ -2,7 +2,8 @@
 
 Run by the harness as `python -m keras_multigpu.bench.worker SPEC_JSON`; prints
 one JSON line. The environment (backend, device count) is set by the parent
-before this process starts, because both are fixed when the framework starts.
+before this process starts, because both are fixed when the framework starts;
+nothing else imports this module.
 """
 
 import contextlib
@@ -13,10 +14,12 @@ import statistics
 import sys
 import time
 
+import keras
+
+from keras_multigpu.callbacks import EpochStats
+
 
 def build_model(name, width):
-    import keras
-
     from keras_multigpu import models
 
     if name == "minigooglenet":
@@ -26,26 +29,6 @@ def build_model(name, width):
                                  keras.layers.Dense(64, activation="relu"),
                                  keras.layers.Dense(10, activation="softmax")])
     raise ValueError(f"model must be minigooglenet or dense. Received: model={name!r}.")
-
-
-class EpochTimer:
-    """A Keras callback (built lazily: Keras is imported in the worker only)."""
-
-    def __new__(cls):
-        import keras
-
-        class _Timer(keras.callbacks.Callback):
-            def __init__(self):
-                super().__init__()
-                self.seconds = []
-
-            def on_epoch_begin(self, epoch, logs=None):
-                self._start = time.perf_counter()
-
-            def on_epoch_end(self, epoch, logs=None):
-                self.seconds.append(time.perf_counter() - self._start)
-
-        return _Timer()
 
 
 def compiled_step_seconds(model, x, y, repeats):
@@ -84,7 +67,6 @@ def measure(spec):
     from keras_multigpu.bench import setups
 
     setup = setups.parse(spec["setup"])
-    import keras
     import numpy as np
 
     keras.config.set_dtype_policy(spec.get("precision", "float32"))
@@ -95,11 +77,10 @@ def measure(spec):
     rng = np.random.default_rng(0)
     x = rng.uniform(0, 255, (samples, 32, 32, 3)).astype("float32")
     y = keras.utils.to_categorical(rng.integers(0, 10, samples), 10)
-    timer = EpochTimer()
-
     def fit(model):
-        model.fit(x, y, batch_size=batch, epochs=1 + spec["epochs"], shuffle=False, verbose=0,
-                  callbacks=[timer])
+        history = model.fit(x, y, batch_size=batch, epochs=1 + spec["epochs"], shuffle=False,
+                            verbose=0, callbacks=[EpochStats(samples)])
+        fit.seconds = history.history["seconds"]
         if setup.backend == "jax":
             fit.step = compiled_step_seconds(model, x[:batch], y[:batch], spec["step_repeats"])
         fit.params = model.count_params()
@@ -107,16 +88,16 @@ def measure(spec):
 
     fit.step = None
     setups.TRAIN[setup.engine](setup, lambda: build_model(spec["model"], spec["width"]), fit)
-    steady = statistics.median(timer.seconds[1:])
+    steady = statistics.median(fit.seconds[1:])
     wall_step = steady / steps
     return {
         "setup": setup.name, "engine": setup.engine, "devices": setup.devices,
         "global_batch": batch, "samples": samples, "steps_per_epoch": steps,
-        "epoch_seconds": timer.seconds[1:], "images_per_second": samples / steady,
+        "epoch_seconds": fit.seconds[1:], "images_per_second": samples / steady,
         "ms_per_step": 1000 * wall_step,
         "compiled_step_ms": None if fit.step is None else 1000 * fit.step,
         "outside_step_ms": None if fit.step is None else 1000 * (wall_step - fit.step),
-        "compile_seconds": timer.seconds[0] - steady,
+        "compile_seconds": fit.seconds[0] - steady,
         "peak_host_memory_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "parameters": int(fit.params),
     }
