@@ -293,11 +293,8 @@ def _split(x, y, sample_weight, fraction):
             "training or validation set. Pass more data or another fraction."
         )
 
-    def part(structure, index):
-        return None if structure is None else tree.map_structure(lambda a: a[index], structure)
-
     train, val = slice(0, cut), slice(cut, rows)
     return (
-        (part(x, train), part(y, train), part(sample_weight, train)),
-        (part(x, val), part(y, val), part(sample_weight, val)),
+        tuple(batching._take(part, train) for part in (x, y, sample_weight)),
+        tuple(batching._take(part, val) for part in (x, y, sample_weight)),
     )
