@@ -17,7 +17,7 @@ def test_setup_names():
             bench.parse(bad)
     names = [s.name for s in bench.default_setups(3)]
     assert names == ["plain-1", "ours-1", "ours-2", "ours-3", "dataparallel-2", "mirrored-2",
-                     "dataparallel-3", "mirrored-3"]
+                     "independent-2", "dataparallel-3", "mirrored-3", "independent-3"]
 
 
 def test_worker_environment_sets_devices_and_backend():
@@ -29,14 +29,25 @@ def test_worker_environment_sets_devices_and_backend():
     assert bench.Setup("mirrored", 2).environment({}, virtual=True)["KERAS_BACKEND"] == "tensorflow"
 
 
+def test_independent_setup_is_one_device_processes():
+    ceiling = bench.parse("independent-3")
+    assert ceiling.processes == 3 and ceiling.worker == bench.Setup("plain", 1)
+    virtual = ceiling.environment({}, virtual=True, process=2)
+    assert virtual["XLA_FLAGS"] == "--xla_force_host_platform_device_count=1"
+    assert "CUDA_VISIBLE_DEVICES" not in virtual
+    assert ceiling.environment({}, virtual=False, process=2)["CUDA_VISIBLE_DEVICES"] == "2"
+    assert bench.parse("ours-3").processes == 1
+
+
 def test_tiny_run_writes_results_and_plots(tmp_path, capsys):
-    code = cli.main(["bench", "--setups", "plain-1,ours-1,ours-2,dataparallel-2,mirrored-2",
+    code = cli.main(["bench", "--setups",
+                     "plain-1,ours-1,ours-2,dataparallel-2,mirrored-2,independent-2",
                      "--model", "dense", "--samples", "256", "--epochs", "2", "--rounds", "1",
                      "--batch-per-device", "32", "--output", str(tmp_path)])
     assert code == 0
     results = json.loads((tmp_path / "results.json").read_text())
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
-    expected = {"plain-1", "ours-1", "ours-2", "dataparallel-2"}
+    expected = {"plain-1", "ours-1", "ours-2", "dataparallel-2", "independent-2"}
     if importlib.util.find_spec("tensorflow") is None:
         assert "tensorflow is not installed" in results["skipped"]["mirrored-2"]
     else:
@@ -50,8 +61,12 @@ def test_tiny_run_writes_results_and_plots(tmp_path, capsys):
     assert two["devices"] == 2 and two["efficiency"] == pytest.approx(two["speedup"] / 2)
     assert two["compiled_step_ms"]["median"] > 0  # the step alone, on placed data
     assert results["raw"]["ours-2"][0]["global_batch"] == 64
-    assert {"ours-1 / plain-1", "ours-2 / ours-1", "ours-2 / dataparallel-2"} <= set(
-        results["ratios"])
+    ceiling = results["raw"]["independent-2"][0]  # two plain-1 processes at once, summed
+    assert [p["global_batch"] for p in ceiling["processes"]] == [32, 32]
+    assert ceiling["images_per_second"] == pytest.approx(
+        sum(p["images_per_second"] for p in ceiling["processes"]))
+    assert {"ours-1 / plain-1", "ours-2 / ours-1", "ours-2 / dataparallel-2",
+            "ours-2 / independent-2"} <= set(results["ratios"])
     assert results["projection"]["rows"] and results["machine"]["cores"] >= 1
     printed = capsys.readouterr().out
     assert "ours-2 / dataparallel-2" in printed and "Projected efficiency" in printed

@@ -6,6 +6,7 @@ the median over rounds, with min and max. Speed-up and efficiency are against
 `ours-1` (ours on one device).
 """
 
+import contextlib
 import importlib.metadata
 import json
 import logging
@@ -14,6 +15,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 
 from keras_multigpu._io import atomic_path
 from keras_multigpu.bench import scaling
@@ -46,17 +48,44 @@ def machine():
 
 
 def run_worker(setup, spec, virtual, timeout):
-    env = setup.environment(os.environ, virtual)
-    payload = json.dumps({**spec, "setup": setup.name})
-    result = subprocess.run(
-        [sys.executable, "-m", "keras_multigpu.bench.worker", payload], env=env,
-        capture_output=True, text=True, timeout=timeout, check=False,
-    )
-    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
-    if result.returncode != 0 or not lines:
-        raise RuntimeError(f"benchmark worker {setup.name} failed (exit {result.returncode}):\n"
-                           f"{result.stderr[-3000:]}")
-    return json.loads(lines[-1])
+    """Runs the setup's worker processes at once and returns their one result."""
+    payload = json.dumps({**spec, "setup": setup.worker.name})
+    with contextlib.ExitStack() as stack:
+        # Files, not pipes: a process waited on later must not block on a full pipe.
+        logs = [(stack.enter_context(tempfile.TemporaryFile("w+")),
+                 stack.enter_context(tempfile.TemporaryFile("w+")))
+                for _ in range(setup.processes)]
+        workers = [subprocess.Popen(
+            [sys.executable, "-m", "keras_multigpu.bench.worker", payload],
+            env=setup.environment(os.environ, virtual, process), stdout=out, stderr=err,
+            text=True) for process, (out, err) in enumerate(logs)]
+        try:
+            for worker in workers:
+                worker.wait(timeout=timeout)
+        finally:
+            for worker in workers:
+                if worker.poll() is None:
+                    worker.kill()
+                    worker.wait()
+        results = []
+        for worker, (out, err) in zip(workers, logs):
+            out.seek(0)
+            err.seek(0)
+            lines = [line for line in out.read().splitlines() if line.startswith("{")]
+            if worker.returncode != 0 or not lines:
+                raise RuntimeError(f"benchmark worker {setup.name} failed "
+                                   f"(exit {worker.returncode}):\n{err.read()[-3000:]}")
+            results.append(json.loads(lines[-1]))
+    return results[0] if len(results) == 1 else combine(setup, results)
+
+
+def combine(setup, results):
+    """One result for processes that ran at once: throughputs add, times are the slowest."""
+    slowest = max(results, key=lambda r: r["ms_per_step"])
+    return {**slowest, "setup": setup.name, "engine": setup.engine, "devices": setup.devices,
+            "images_per_second": sum(r["images_per_second"] for r in results),
+            "peak_host_memory_mb": sum(r["peak_host_memory_mb"] for r in results),
+            "processes": results}
 
 
 def _spread(values):
@@ -93,6 +122,7 @@ def summarize(runs, spec):
             ratio(name, "ours-1")
             ratio(name, f"dataparallel-{row['devices']}")
             ratio(name, f"mirrored-{row['devices']}")
+            ratio(name, f"independent-{row['devices']}")
     return table, ratios
 
 

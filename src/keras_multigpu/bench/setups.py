@@ -15,8 +15,12 @@ class Setup:
     """One benchmark configuration.
 
     Attributes:
-        engine: "ours", "plain", "dataparallel" (keras.distribution, JAX) or
-            "mirrored" (tf.distribute.MirroredStrategy).
+        engine: "ours", "plain", "dataparallel" (keras.distribution, JAX),
+            "mirrored" (tf.distribute.MirroredStrategy) or "independent":
+            `devices` plain one-device trainings run at once, one process per
+            device, with no communication between them. Their summed
+            throughput is the ceiling for any data-parallel engine on these
+            devices.
         devices: replicas; the global batch is devices x batch per device.
     """
 
@@ -31,14 +35,26 @@ class Setup:
     def backend(self):
         return "tensorflow" if self.engine == "mirrored" else "jax"
 
-    def environment(self, base, virtual):
+    @property
+    def processes(self):
+        """How many worker processes the setup runs at once."""
+        return self.devices if self.engine == "independent" else 1
+
+    @property
+    def worker(self):
+        """The setup each worker process measures."""
+        return Setup("plain", 1) if self.engine == "independent" else self
+
+    def environment(self, base, virtual, process=0):
         """The worker's environment; `virtual` says devices are virtual CPUs."""
         env = {k: v for k, v in base.items() if not k.startswith("KERAS_MULTIGPU_")}
         env["KERAS_BACKEND"] = self.backend
         flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(XLA_DEVICE_FLAG)]
         if virtual and self.backend == "jax":
-            flags.append(f"{XLA_DEVICE_FLAG}={self.devices}")
+            flags.append(f"{XLA_DEVICE_FLAG}={self.worker.devices}")
         env["XLA_FLAGS"] = " ".join(flags)
+        if self.processes > 1 and not virtual:
+            env["CUDA_VISIBLE_DEVICES"] = str(process)  # one GPU for each process
         return env
 
 
@@ -101,6 +117,7 @@ def _train_mirrored(setup, build, fit):
 
 TRAIN = {
     "plain": _train_plain,
+    "independent": _train_plain,  # each of its processes is plain-1
     "ours": _train_ours,
     "dataparallel": _train_dataparallel,
     "mirrored": _train_mirrored,
@@ -118,11 +135,11 @@ def available(setup):
 
 
 def default_setups(max_devices):
-    """Ours at 1..N, plain Keras, and the peers at the same counts above 1."""
+    """Ours at 1..N, plain Keras, the peers and the ceiling at the counts above 1."""
     counts = sorted({1, *range(2, max_devices + 1)})
     setups = [Setup("plain", 1)] + [Setup("ours", n) for n in counts]
     for n in counts[1:]:
-        setups += [Setup("dataparallel", n), Setup("mirrored", n)]
+        setups += [Setup("dataparallel", n), Setup("mirrored", n), Setup("independent", n)]
     return setups
 
 
