@@ -113,3 +113,17 @@ def test_tensorboard_writes_logs(dense_model, tmp_path):
     parallel.fit(x, y, batch_size=8, epochs=1, verbose=0,
                  callbacks=[keras.callbacks.TensorBoard(tmp_path / "tb")])
     assert any((tmp_path / "tb").rglob("events.out.tfevents.*"))
+
+
+def test_epoch_stats_leaves_steps_unsynchronised(dense_model):
+    """EpochStats has no batch hook, so Keras keeps dispatching steps without waiting for
+    each step's metrics on the host (its async callback dispatch stays on)."""
+    from keras_multigpu.callbacks import EpochStats
+
+    class PerBatch(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            pass
+
+    model = parallel_model(dense_model)
+    assert keras.callbacks.CallbackList([EpochStats(10)], model=model)._async_train
+    assert not keras.callbacks.CallbackList([PerBatch()], model=model)._async_train
