@@ -36,6 +36,8 @@ def test_independent_setup_is_one_device_processes():
     assert virtual["XLA_FLAGS"] == "--xla_force_host_platform_device_count=1"
     assert "CUDA_VISIBLE_DEVICES" not in virtual
     assert ceiling.environment({}, virtual=False, process=2)["CUDA_VISIBLE_DEVICES"] == "2"
+    visible = {"CUDA_VISIBLE_DEVICES": "4,5,7"}  # the user's choice of GPUs is kept
+    assert ceiling.environment(visible, virtual=False, process=2)["CUDA_VISIBLE_DEVICES"] == "7"
     assert bench.parse("ours-3").processes == 1
 
 

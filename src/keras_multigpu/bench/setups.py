@@ -53,8 +53,9 @@ class Setup:
         if virtual and self.backend == "jax":
             flags.append(f"{XLA_DEVICE_FLAG}={self.worker.devices}")
         env["XLA_FLAGS"] = " ".join(flags)
-        if self.processes > 1 and not virtual:
-            env["CUDA_VISIBLE_DEVICES"] = str(process)  # one GPU for each process
+        if self.processes > 1 and not virtual:  # one GPU for each process, of those visible
+            visible = [d for d in base.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+            env["CUDA_VISIBLE_DEVICES"] = visible[process] if visible else str(process)
         return env
 
 
