@@ -38,6 +38,8 @@ def test_independent_setup_is_one_device_processes():
     assert ceiling.environment({}, virtual=False, process=2)["CUDA_VISIBLE_DEVICES"] == "2"
     visible = {"CUDA_VISIBLE_DEVICES": "4,5,7"}  # the user's choice of GPUs is kept
     assert ceiling.environment(visible, virtual=False, process=2)["CUDA_VISIBLE_DEVICES"] == "7"
+    with pytest.raises(ValueError, match="needs 3 GPUs; CUDA_VISIBLE_DEVICES shows 2"):
+        ceiling.environment({"CUDA_VISIBLE_DEVICES": "0,1"}, virtual=False, process=0)
     assert bench.parse("ours-3").processes == 1
 
 

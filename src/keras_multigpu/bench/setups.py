@@ -55,6 +55,9 @@ class Setup:
         env["XLA_FLAGS"] = " ".join(flags)
         if self.processes > 1 and not virtual:  # one GPU for each process, of those visible
             visible = [d for d in base.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+            if visible and len(visible) < self.processes:
+                raise ValueError(f"{self.name} needs {self.processes} GPUs; CUDA_VISIBLE_DEVICES "
+                                 f"shows {len(visible)}: {','.join(visible)}.")
             env["CUDA_VISIBLE_DEVICES"] = visible[process] if visible else str(process)
         return env
 
