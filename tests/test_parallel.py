@@ -63,6 +63,20 @@ def test_training_equals_one_device(dense_model, gpus, num_samples, batch_size):
     np.testing.assert_allclose(expected, predicted, atol=1e-6)
 
 
+
+def test_steps_per_execution_equals_one_device(dense_model):
+    """Keras's steps_per_execution (several steps per train_function call), with a padded
+    last batch, still gives one device's results."""
+    x, y = classification_data(100)
+    reference = compile_sgd(dense_model(), steps_per_execution=3)
+    ref_history = reference.fit(x, y, batch_size=30, epochs=2, shuffle=False, verbose=0)
+    template = dense_model()
+    parallel = compile_sgd(kmg.multi_gpu_model(template, gpus=3), steps_per_execution=3)
+    history = parallel.fit(x, y, batch_size=30, epochs=2, shuffle=False, verbose=0)
+    assert parallel.steps_per_execution == 3
+    assert_weights_close(reference.get_weights(), template.get_weights())
+    assert_history_close(ref_history, history)
+
 def test_batchnorm_statistics_equal_one_device(conv_bn_model):
     """Batch statistics are over the global batch, as on one device."""
     x, y = classification_data(64, features=(8, 8, 3))
