@@ -111,14 +111,14 @@ def main():
     else:
         print(f"on the host (CPU): tf.data + RandomTranslation + RandomFlip, "
               f"batch {64 * args.gpus}: {host:.0f} images/s")
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output, "w") as f:
-        json.dump({"command": " ".join(sys.argv), "seconds_per_epoch": seconds, "ratio": ratio,
-                   "device_augmentation_images_per_second": {"device": str(device),
-                                                             "images_per_second": alone},
-                   "host_pipeline_images_per_second": host,
-                   "machine": {"platform": platform.platform(), "cores": os.cpu_count()}},
-                  f, indent=2)
+    from keras_multigpu._io import write_json
+
+    write_json(args.output, {
+        "command": " ".join(sys.argv), "seconds_per_epoch": seconds, "ratio": ratio,
+        "device_augmentation_images_per_second": {"device": str(device),
+                                                  "images_per_second": alone},
+        "host_pipeline_images_per_second": host,
+        "machine": {"platform": platform.platform(), "cores": os.cpu_count()}})
 
 
 if __name__ == "__main__":

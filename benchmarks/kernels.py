@@ -119,14 +119,13 @@ def main():
           f"{total['jax']['forward_backward_ms']:.0f} ms, TensorFlow "
           f"{total['tensorflow']['forward_backward_ms']:.0f} ms per batch of {args.batch} "
           f"(XLA / TF = {ratio:.2f})")
-    from keras_multigpu._io import atomic_path
+    from keras_multigpu._io import write_json
     from keras_multigpu.bench.harness import machine
 
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with atomic_path(args.output, ".json") as tmp, open(tmp, "w") as f:
-        json.dump({"command": " ".join(sys.argv), "width": args.width, "batch": args.batch,
-                   "layers": shapes, "times": times, "total_ms": total,
-                   "xla_over_tensorflow": ratio, "machine": machine()}, f, indent=2)
+    write_json(args.output, {"command": " ".join(sys.argv), "width": args.width,
+                             "batch": args.batch, "layers": shapes, "times": times,
+                             "total_ms": total, "xla_over_tensorflow": ratio,
+                             "machine": machine()})
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Atomic writes: a file appears whole or not at all."""
 
 import contextlib
+import json
 import os
 import tempfile
 
@@ -38,3 +39,9 @@ def atomic_path(filepath, suffix=""):
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def write_json(filepath, payload):
+    """Writes `payload` as indented JSON to `filepath`, atomically."""
+    with atomic_path(filepath, ".json") as tmp, open(tmp, "w") as f:
+        json.dump(payload, f, indent=2)

@@ -9,6 +9,7 @@ import sys
 
 from keras_multigpu import backends
 from keras_multigpu import devices as devices_lib
+from keras_multigpu._io import write_json
 
 
 def _positive_int(text):
@@ -121,7 +122,7 @@ def cmd_compare(args):
               f"{base / summary['mean_epoch_seconds']:>9.2f} "
               f"{summary['final_val_accuracy']:>8.4f}")
     plots.comparison(runs, os.path.join(args.output, "compare.png"))
-    experiment.write_json_atomic(os.path.join(args.output, "compare.json"),
+    write_json(os.path.join(args.output, "compare.json"),
                                  [summary for summary, _ in runs])
     return max(_check_target(s["final_val_accuracy"], args.target_acc) for s, _ in runs)
 

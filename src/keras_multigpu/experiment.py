@@ -7,7 +7,6 @@ random shifts and flips, mean subtraction) and writes what it showed:
 """
 
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -19,7 +18,7 @@ import numpy as np
 from keras_multigpu import callbacks as callbacks_lib
 from keras_multigpu import data as data_lib
 from keras_multigpu import models
-from keras_multigpu._io import atomic_path
+from keras_multigpu._io import atomic_path, write_json
 from keras_multigpu.parallel import multi_gpu_model
 
 logger = logging.getLogger(__name__)
@@ -85,11 +84,6 @@ def save_model(model, path):
         model.save(tmp)
 
 
-def write_json_atomic(path, payload):
-    with atomic_path(path, ".json") as tmp, open(tmp, "w") as f:
-        json.dump(payload, f, indent=2)
-
-
 def run(config):
     """Trains once; writes plot.png, history.json and model.keras into `config.output`.
 
@@ -148,7 +142,7 @@ def run(config):
         "final_val_accuracy": epochs[-1].get("val_accuracy"),
         "final_val_loss": epochs[-1].get("val_loss"),
     }
-    write_json_atomic(os.path.join(config.output, "history.json"), {**summary, "epochs": epochs})
+    write_json(os.path.join(config.output, "history.json"), {**summary, "epochs": epochs})
     from keras_multigpu import plots
 
     plots.training_curves(epochs, summary, os.path.join(config.output, "plot.png"))

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 
-from keras_multigpu._io import atomic_path
+from keras_multigpu._io import write_json
 from keras_multigpu.bench import scaling
 from keras_multigpu.bench import setups as setups_lib
 
@@ -167,9 +167,7 @@ def run(setups, spec, rounds=3, output=None, timeout=900, step_ms=None):
                "raw": runs}
     if output:
         os.makedirs(output, exist_ok=True)
-        with atomic_path(os.path.join(output, "results.json"), ".json") as tmp, \
-                open(tmp, "w") as f:
-            json.dump(results, f, indent=2)
+        write_json(os.path.join(output, "results.json"), results)
         from keras_multigpu.bench import plots
 
         plots.draw(results, output)
