@@ -7,15 +7,18 @@ import numpy as np
 import pytest
 
 import keras_multigpu.batching
+from keras_multigpu.backends import jax as engine
 from keras_multigpu.batching import (
     ArrayBatches,
-    PaddedBatches,
+    WrappedPyDataset,
     as_padded,
     pad_batch,
     pad_indices,
     padded_size,
     plan,
 )
+
+TAG = engine.tag
 
 # -- plan ----------------------------------------------------------------------
 
@@ -93,129 +96,156 @@ def test_plan_refuses_drop_remainder_leaving_nothing():
 
 
 def test_pad_indices_docstring_example():
-    idx, mask = pad_indices(rows=5, replicas=4)
+    idx, real = pad_indices(rows=5, replicas=4)
     assert idx.tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
-    assert mask.tolist() == [1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
-    assert mask.dtype == np.float32
+    assert real.tolist() == [True] * 5 + [False] * 3
 
 
 def test_pad_indices_no_padding_when_divisible():
-    idx, mask = pad_indices(rows=6, replicas=3)
+    idx, real = pad_indices(rows=6, replicas=3)
     assert idx.tolist() == list(range(6))
-    assert mask.tolist() == [1.0] * 6
+    assert real.all()
 
 
 @pytest.mark.parametrize("rows, replicas", [(1, 8), (3, 8), (7, 8), (9, 8), (1, 2)])
 def test_every_replica_gets_rows(rows, replicas):
-    idx, mask = pad_indices(rows, replicas)
-    assert len(idx) == len(mask) == padded_size(rows, replicas)
+    idx, real = pad_indices(rows, replicas)
+    assert len(idx) == len(real) == padded_size(rows, replicas)
     assert len(idx) % replicas == 0
     assert len(idx) >= replicas  # no replica is empty
     assert idx.min() >= 0 and idx.max() < rows
-    assert mask.sum() == rows
-    assert mask[:rows].tolist() == [1.0] * rows  # real rows first, in order
+    assert real.sum() == rows
+    assert real[:rows].all()  # real rows first, in order
     assert idx[:rows].tolist() == list(range(rows))
 
 
 def test_one_row_on_eight_replicas():
-    idx, mask = pad_indices(rows=1, replicas=8)
+    idx, real = pad_indices(rows=1, replicas=8)
     assert idx.tolist() == [0] * 8
-    assert mask.tolist() == [1.0] + [0.0] * 7
+    assert real.tolist() == [True] + [False] * 7
 
 
-# -- pad_batch -------------------------------------------------------------------
+# -- pad_batch and tags -----------------------------------------------------------
 
 
 def _x(n, features=2):
     return np.arange(n * features, dtype="float32").reshape(n, features)
 
 
+def _rows(tagged):
+    """The real row count a tagged batch carries (the marker's shape)."""
+    (inner,) = tagged
+    return inner["keras_multigpu_rows"].shape[1]
+
+
+def _padded_parts(tagged):
+    (inner,) = tagged
+    return inner["keras_multigpu_batch"]
+
+
 def test_pad_batch_without_y():
-    (x,), rows = pad_batch((_x(5),), replicas=4)
-    assert rows == 5
+    tagged, rows = pad_batch((_x(5),), 4, TAG)
+    (x,) = _padded_parts(tagged)
+    assert rows == _rows(tagged) == 5
     assert x.shape == (8, 2)
     np.testing.assert_array_equal(x, _x(5)[[0, 1, 2, 3, 4, 0, 1, 2]])
+    (real,) = engine.untag(tagged)
+    np.testing.assert_array_equal(real, _x(5))
 
 
 def test_pad_batch_bare_array_without_y():
-    (x,), rows = pad_batch(_x(3), replicas=2)
+    tagged, rows = pad_batch(_x(3), 2, TAG)
     assert rows == 3
-    assert x.shape == (4, 2)
+    assert _padded_parts(tagged)[0].shape == (4, 2)
 
 
-def test_pad_batch_with_y():
+def test_pad_batch_with_y_and_sample_weight():
     y = np.array([10, 11, 12, 13, 14])
-    (x, y_pad, (weights, mask)), rows = pad_batch((_x(5), y), replicas=4)
-    assert rows == 5
-    assert x.shape == (8, 2)
-    assert y_pad.tolist() == [10, 11, 12, 13, 14, 10, 11, 12]
-    assert mask.tolist() == [1, 1, 1, 1, 1, 0, 0, 0]
-    assert weights.tolist() == mask.tolist()
-
-
-def test_pad_batch_with_sample_weight():
     sw = np.array([0.5, 2.0, 3.0, 1.0, 4.0])
-    (_, _, (weights, mask)), rows = pad_batch((_x(5), np.zeros(5), sw), replicas=4)
-    assert rows == 5
-    assert weights.dtype == np.float32
-    assert weights.tolist() == [0.5, 2.0, 3.0, 1.0, 4.0, 0.0, 0.0, 0.0]
-    assert mask.tolist() == [1, 1, 1, 1, 1, 0, 0, 0]
+    tagged, rows = pad_batch((_x(5), y, sw), 4, TAG)
+    x_pad, y_pad, sw_pad = _padded_parts(tagged)
+    assert rows == 5 and x_pad.shape == (8, 2)
+    assert y_pad.tolist() == [10, 11, 12, 13, 14, 10, 11, 12]
+    assert sw_pad.tolist() == [0.5, 2.0, 3.0, 1.0, 4.0, 0.5, 2.0, 3.0]  # padding's never read
+    x_real, y_real, sw_real = engine.untag(tagged)
+    assert y_real.tolist() == y.tolist() and sw_real.tolist() == sw.tolist()
+
+
+def test_pad_batch_keeps_the_users_structure_when_nothing_is_padded():
+    batch, rows = pad_batch((_x(4), np.arange(4)), 2, TAG, always=False)
+    assert rows == 4 and len(batch) == 2
+    np.testing.assert_array_equal(batch[0], _x(4))
+    # A stream tags every batch, padded or not: Keras fixes the layout from the first.
+    tagged, _ = pad_batch((_x(4), np.arange(4)), 2, TAG)
+    assert _rows(tagged) == 4
+    assert len(engine.untag(tagged)) == 2
 
 
 def test_pad_batch_with_per_timestep_sample_weight():
     sw = np.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
-    (_, _, (weights, _)), _ = pad_batch((_x(3), np.zeros((3, 2)), sw), replicas=2)
-    assert weights.tolist() == [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0], [0.0, 0.0]]
+    tagged, _ = pad_batch((_x(3), np.zeros((3, 2)), sw), 2, TAG)
+    assert engine.untag(tagged)[2].tolist() == sw.tolist()
 
 
 def test_pad_batch_class_weight_from_one_hot():
     y = keras.utils.to_categorical([0, 1, 2, 1, 0], 3)
     class_weight = {0: 1.0, 1: 2.0, 2: 3.0}
-    (_, y_pad, (weights, mask)), rows = pad_batch((_x(5), y), 4, class_weight=class_weight)
-    assert rows == 5
-    assert y_pad.shape == (8, 3)
-    assert weights.tolist() == [1.0, 2.0, 3.0, 2.0, 1.0, 0.0, 0.0, 0.0]
-    assert mask.tolist() == [1, 1, 1, 1, 1, 0, 0, 0]
+    tagged, rows = pad_batch((_x(5), y), 4, TAG, class_weight=class_weight)
+    _, y_real, weights = engine.untag(tagged)
+    assert rows == 5 and y_real.shape == (5, 3)
+    assert weights.tolist() == [1.0, 2.0, 3.0, 2.0, 1.0]
 
 
 def test_pad_batch_class_weight_from_integer_labels():
     y = np.array([2, 2, 0, 1, 0])
     class_weight = {0: 0.5, 1: 1.0, 2: 4.0}
-    (_, _, (weights, _)), _ = pad_batch((_x(5), y), 4, class_weight=class_weight)
-    assert weights.tolist() == [4.0, 4.0, 0.5, 1.0, 0.5, 0.0, 0.0, 0.0]
+    tagged, _ = pad_batch((_x(5), y), 4, TAG, class_weight=class_weight)
+    assert engine.untag(tagged)[2].tolist() == [4.0, 4.0, 0.5, 1.0, 0.5]
 
 
 def test_pad_batch_class_weight_and_sample_weight_is_refused():
     with pytest.raises(ValueError, match=r"either class_weight or sample_weight"):
-        pad_batch((_x(3), np.array([0, 1, 0]), np.ones(3)), 2, class_weight={0: 1.0, 1: 2.0})
+        pad_batch((_x(3), np.array([0, 1, 0]), np.ones(3)), 2, TAG, class_weight={0: 1.0})
 
 
 def test_pad_batch_class_weight_with_several_outputs_is_refused():
     y = {"a": np.array([0, 1, 0]), "b": np.array([1, 1, 0])}
     with pytest.raises(ValueError, match=r"class_weight works with a single target"):
-        pad_batch((_x(3), y), 2, class_weight={0: 1.0, 1: 2.0})
+        pad_batch((_x(3), y), 2, TAG, class_weight={0: 1.0, 1: 2.0})
+
+
+def test_pad_batch_class_weight_without_targets_is_refused():
+    with pytest.raises(ValueError, match=r"class_weight needs targets"):
+        pad_batch((_x(3),), 2, TAG, class_weight={0: 1.0})
 
 
 def test_pad_batch_dict_inputs():
     x = {"image": _x(3, 4), "meta": np.array([[1.0], [2.0], [3.0]])}
-    (x_pad, y_pad, (weights, mask)), rows = pad_batch((x, np.array([7, 8, 9])), replicas=2)
+    tagged, rows = pad_batch((x, np.array([7, 8, 9])), 2, TAG)
+    x_pad, y_pad = _padded_parts(tagged)
     assert rows == 3
     assert set(x_pad) == {"image", "meta"}
     assert x_pad["image"].shape == (4, 4)
     assert x_pad["meta"].ravel().tolist() == [1.0, 2.0, 3.0, 1.0]
     assert y_pad.tolist() == [7, 8, 9, 7]
-    assert mask.tolist() == [1, 1, 1, 0]
+    x_real, _ = engine.untag(tagged)
+    assert x_real["meta"].ravel().tolist() == [1.0, 2.0, 3.0]
 
 
 def test_pad_batch_refuses_mismatched_dict_inputs():
     x = {"a": _x(3), "b": _x(4)}
     with pytest.raises(ValueError, match=r"\[3, 4\]"):
-        pad_batch((x, np.zeros(3)), replicas=2)
+        pad_batch((x, np.zeros(3)), 2, TAG)
 
 
 def test_pad_batch_refuses_empty_batch():
     with pytest.raises(ValueError, match=r"0 rows"):
-        pad_batch((np.zeros((0, 2)), np.zeros(0)), replicas=2)
+        pad_batch((np.zeros((0, 2)), np.zeros(0)), 2, TAG)
+
+
+def test_untag_leaves_other_data_alone():
+    batch = (_x(2), np.zeros(2))
+    assert engine.untag(batch) is batch
 
 
 # -- ArrayBatches ------------------------------------------------------------------
@@ -226,16 +256,13 @@ def _epoch(ds):
     seen = []
     for i in range(ds.num_batches):
         batch = ds[i]
-        if len(batch) == 2:  # neither padding nor weights: every row is real
-            (x, y), mask = batch, np.ones(len(batch[0]), "float32")
-            weights = mask
-        else:
-            x, y, (weights, mask) = batch
-        real = mask == 1.0
-        assert x.shape[0] % ds.replicas == 0
+        if isinstance(batch[0], dict):  # tagged
+            x_pad = _padded_parts(batch)[0]
+            assert x_pad.shape[0] % ds.replicas == 0
+        x, y = engine.untag(batch)
+        assert x.shape[0] % ds.replicas == 0 or isinstance(batch[0], dict)
         np.testing.assert_array_equal(x[:, 0], y)  # x and y rows stay paired
-        np.testing.assert_array_equal(weights, mask)
-        seen.append(x[real, 0].astype(int))
+        seen.append(x[:, 0].astype(int))
     return np.concatenate(seen)
 
 
@@ -245,11 +272,10 @@ def _ids(n):
 
 def test_array_batches_cover_every_sample_once_with_shuffle():
     x, y = _ids(50)
-    ds = ArrayBatches(x, y, None, plan(50, 8, 3), shuffle=True)
+    ds = ArrayBatches(x, y, None, plan(50, 8, 3), TAG, shuffle=True)
     first = _epoch(ds)
     assert sorted(first.tolist()) == list(range(50))
     assert first.tolist() != list(range(50))  # shuffled
-    ds.on_epoch_end()
     second = _epoch(ds)
     assert sorted(second.tolist()) == list(range(50))
     assert second.tolist() != first.tolist()
@@ -257,44 +283,68 @@ def test_array_batches_cover_every_sample_once_with_shuffle():
 
 def test_array_batches_without_shuffle_keep_the_order():
     x, y = _ids(11)
-    ds = ArrayBatches(x, y, None, plan(11, 4, 3), shuffle=False)
+    ds = ArrayBatches(x, y, None, plan(11, 4, 3), TAG, shuffle=False)
     assert _epoch(ds).tolist() == list(range(11))
-    ds.on_epoch_end()
     assert _epoch(ds).tolist() == list(range(11))
-    assert ds.rows == {0: 4, 1: 4, 2: 3}
 
 
 def test_array_batches_drop_remainder():
     x, y = _ids(10)
-    ds = ArrayBatches(x, y, None, plan(10, 4, 3, drop_remainder=True), shuffle=True)
+    ds = ArrayBatches(x, y, None, plan(10, 4, 3, drop_remainder=True), TAG, shuffle=True)
     assert ds.num_batches == 2
     seen = _epoch(ds)
     assert len(seen) == 8
     assert len(set(seen.tolist())) == 8
 
 
-def test_array_batches_are_deterministic_under_the_keras_seed():
-    x, y = _ids(40)
+def _keras_epochs(x, y, batch_size, shuffle, epochs):
+    """The row order Keras's own array adapter yields, epoch by epoch."""
+    from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
 
-    def two_epochs():
-        ds = ArrayBatches(x, y, None, plan(40, 16, 4), shuffle=True)
-        first = _epoch(ds)
-        ds.on_epoch_end()
-        return first.tolist(), _epoch(ds).tolist()
+    adapter = ArrayDataAdapter(x, y, batch_size=batch_size, shuffle=shuffle)
+    return [
+        np.concatenate([np.asarray(bx)[:, 0] for bx, _ in adapter.get_jax_iterator()]).astype(int)
+        for _ in range(epochs)
+    ]
 
-    keras.utils.set_random_seed(1234)
-    a = two_epochs()
-    keras.utils.set_random_seed(1234)
-    b = two_epochs()
-    keras.utils.set_random_seed(4321)
-    c = two_epochs()
-    assert a == b
-    assert a != c
+
+@pytest.mark.parametrize("shuffle", [True, "batch"])
+def test_array_batches_draw_what_keras_draws(shuffle):
+    x, y = _ids(23)
+    keras.utils.set_random_seed(7)
+    expected = _keras_epochs(x, y, 5, shuffle, epochs=3)
+    after_keras = np.random.random()
+    keras.utils.set_random_seed(7)
+    rng = keras_multigpu.batching.RandomState()
+    ds = ArrayBatches(x, y, None, plan(23, 5, 2), TAG, shuffle=shuffle, rng=rng.numpy)
+    got = [_epoch(ds) for _ in range(3)]
+    for e, g in zip(expected, got):
+        assert e.tolist() == g.tolist()
+    if shuffle == "batch":  # batches stay in order, rows shuffle within them
+        assert sorted(got[0][:5].tolist()) == list(range(5))
+    rng.commit()  # the global generator moves on as after Keras's draws
+    assert np.random.random() == after_keras
+
+
+def test_array_batches_order_ignores_global_draws_during_training():
+    x, y = _ids(30)
+    keras.utils.set_random_seed(3)
+    rng = keras_multigpu.batching.RandomState()
+    quiet = ArrayBatches(x, y, None, plan(30, 8, 2), TAG, shuffle=True, rng=rng.numpy)
+    expected = [_epoch(quiet).tolist() for _ in range(2)]
+    keras.utils.set_random_seed(3)
+    rng = keras_multigpu.batching.RandomState()
+    noisy = ArrayBatches(x, y, None, plan(30, 8, 2), TAG, shuffle=True, rng=rng.numpy)
+    got = []
+    for _ in range(2):
+        got.append(_epoch(noisy).tolist())
+        np.random.permutation(100)  # e.g. a callback drawing from NumPy
+    assert got == expected
 
 
 def test_array_batches_index_out_of_range():
     x, y = _ids(5)
-    ds = ArrayBatches(x, y, None, plan(5, 4, 2))
+    ds = ArrayBatches(x, y, None, plan(5, 4, 2), TAG)
     with pytest.raises(IndexError):
         ds[2]
     with pytest.raises(IndexError):
@@ -304,38 +354,64 @@ def test_array_batches_index_out_of_range():
 def test_array_batches_carry_sample_weights():
     x, y = _ids(6)
     sw = np.arange(1, 7, dtype="float32")
-    ds = ArrayBatches(x, y, sw, plan(6, 6, 4))
-    _, _, (weights, mask) = ds[0]
-    assert weights.tolist() == [1, 2, 3, 4, 5, 6, 0, 0]
-    assert mask.tolist() == [1, 1, 1, 1, 1, 1, 0, 0]
+    ds = ArrayBatches(x, y, sw, plan(6, 6, 4), TAG)
+    _, _, weights = engine.untag(ds[0])
+    assert weights.tolist() == [1, 2, 3, 4, 5, 6]
 
 
-# -- real_row_index ------------------------------------------------------------------
+def test_arrays_without_padding_are_not_tagged():
+    x, y = _ids(12)
+    assert len(ArrayBatches(x, y, None, plan(12, 4, 2), TAG)[0]) == 2  # (x, y)
+    assert len(ArrayBatches(x, y, np.ones(12), plan(12, 4, 2), TAG)[0]) == 3
+    # One padded batch anywhere tags every batch: Keras fixes the layout from the first.
+    assert isinstance(ArrayBatches(x, y, None, plan(12, 5, 2), TAG)[0][0], dict)
 
 
-def test_real_row_index_docstring_example():
-    ds = PaddedBatches(replicas=4)
-    ds.rows = {0: 4, 1: 2}
-    assert ds.real_row_index().tolist() == [0, 1, 2, 3, 4, 5]
+# -- PyDataset ---------------------------------------------------------------------
 
 
-def test_real_row_index_skips_padding():
-    ds = PaddedBatches(replicas=3)
-    ds.rows = {1: 4, 0: 4, 2: 2}  # insertion order must not matter
-    assert ds.real_row_index().tolist() == [0, 1, 2, 3, 6, 7, 8, 9, 12, 13]
+class _Numbered(keras.utils.PyDataset):
+    """Batch i holds rows whose x and y are i."""
+
+    def __init__(self, batches=6, rows=3, **kwargs):
+        super().__init__(**kwargs)
+        self.batches, self.rows_per_batch = batches, rows
+        self.begun = self.ended = 0
+
+    def __len__(self):
+        return self.batches
+
+    def __getitem__(self, index):
+        return (np.full((self.rows_per_batch, 1), index, "float32"),
+                np.full(self.rows_per_batch, index, "float32"))
+
+    def on_epoch_begin(self):
+        self.begun += 1
+
+    def on_epoch_end(self):
+        self.ended += 1
 
 
-def test_real_row_index_empty():
-    index = PaddedBatches(replicas=2).real_row_index()
-    assert index.shape == (0,)
+def test_py_dataset_order_draws_what_keras_draws():
+    from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
+
+    keras.utils.set_random_seed(11)
+    adapter = PyDatasetAdapter(_Numbered(), shuffle=True)
+    expected = [[int(bx[0, 0]) for bx, _ in adapter.get_jax_iterator()] for _ in range(3)]
+    keras.utils.set_random_seed(11)
+    rng = keras_multigpu.batching.RandomState()
+    wrapped = WrappedPyDataset(_Numbered(), 2, TAG, shuffle=True, rng=rng.python)
+    got = [[int(engine.untag(wrapped[i])[0][0, 0]) for i in range(6)] for _ in range(3)]
+    assert got == expected
+    assert sorted(got[0]) == list(range(6)) and got[0] != got[1]
 
 
-def test_real_row_index_recovers_the_inputs():
-    x, y = _ids(10)
-    ds = ArrayBatches(x, y, None, plan(10, 4, 3))
-    padded = np.concatenate([ds[i][0] for i in range(ds.num_batches)])
-    assert len(padded) == 6 + 6 + 3
-    np.testing.assert_array_equal(padded[ds.real_row_index()], x)
+def test_py_dataset_epoch_hooks_reach_the_users_dataset():
+    inner = _Numbered()
+    wrapped = WrappedPyDataset(inner, 2, TAG)
+    wrapped.on_epoch_begin()
+    wrapped.on_epoch_end()
+    assert (inner.begun, inner.ended) == (1, 1)
 
 
 # -- as_padded --------------------------------------------------------------------------
@@ -343,7 +419,7 @@ def test_real_row_index_recovers_the_inputs():
 
 def test_as_padded_arrays():
     x, y = _ids(10)
-    data, dataset = as_padded(x, y, batch_size=4, replicas=3)
+    data, dataset = as_padded(x, y, batch_size=4, replicas=3, tag=TAG)
     assert data is dataset
     assert isinstance(dataset, ArrayBatches)
     assert dataset.plan == plan(10, 4, 3)
@@ -351,30 +427,35 @@ def test_as_padded_arrays():
 
 def test_as_padded_default_batch_size_is_32():
     x, y = _ids(40)
-    _, dataset = as_padded(x, y, replicas=2)
+    _, dataset = as_padded(x, y, replicas=2, tag=TAG)
     assert dataset.plan.batch_size == 32
 
 
 def test_as_padded_passes_padded_batches_through():
     x, y = _ids(4)
-    ds = ArrayBatches(x, y, None, plan(4, 4, 2))
-    assert as_padded(ds, replicas=2) == (ds, ds)
+    ds = ArrayBatches(x, y, None, plan(4, 4, 2), TAG)
+    assert as_padded(ds, replicas=2, tag=TAG) == (ds, ds)
 
 
 def test_as_padded_refuses_none():
     with pytest.raises(ValueError, match=r"x=None"):
-        as_padded(None, replicas=2)
+        as_padded(None, replicas=2, tag=TAG)
+
+
+def test_as_padded_refuses_a_bad_shuffle():
+    with pytest.raises(ValueError, match=r"shuffle must be True, False or 'batch'.*'yes'"):
+        as_padded(*_ids(4), replicas=2, tag=TAG, shuffle="yes")
 
 
 def test_as_padded_refuses_row_mismatch():
     with pytest.raises(ValueError, match=r"x has 5 rows but y has 4") as info:
-        as_padded(np.zeros((5, 2)), np.zeros(4), replicas=2)
+        as_padded(np.zeros((5, 2)), np.zeros(4), replicas=2, tag=TAG)
     assert type(info.value) is ValueError
 
 
 def test_as_padded_refuses_sample_weight_mismatch():
     with pytest.raises(ValueError, match=r"x has 5 rows but sample_weight has 6"):
-        as_padded(np.zeros((5, 2)), np.zeros(5), np.ones(6), replicas=2)
+        as_padded(np.zeros((5, 2)), np.zeros(5), np.ones(6), replicas=2, tag=TAG)
 
 
 def test_as_padded_refuses_y_with_a_generator():
@@ -382,45 +463,34 @@ def test_as_padded_refuses_y_with_a_generator():
         yield np.zeros((2, 2)), np.zeros(2)
 
     with pytest.raises(ValueError, match=r"y must be None") as info:
-        as_padded(batches(), np.zeros(2), replicas=2)
+        as_padded(batches(), np.zeros(2), replicas=2, tag=TAG)
     assert "generator" in str(info.value)
-
-
-class _Batches(keras.utils.PyDataset):
-    def __init__(self):
-        super().__init__()
-
-    def __len__(self):
-        return 2
-
-    def __getitem__(self, index):
-        return np.full((3, 2), index, "float32"), np.full(3, index, "float32")
 
 
 def test_as_padded_refuses_drop_remainder_with_a_py_dataset():
     with pytest.raises(ValueError, match=r"drop_remainder=True") as info:
-        as_padded(_Batches(), replicas=2, drop_remainder=True)
-    assert "_Batches" in str(info.value)
+        as_padded(_Numbered(), replicas=2, tag=TAG, drop_remainder=True)
+    assert "_Numbered" in str(info.value)
 
 
 def test_as_padded_wraps_a_py_dataset():
-    data, dataset = as_padded(_Batches(), replicas=2)
+    data, dataset = as_padded(_Numbered(rows=3), replicas=2, tag=TAG)
     assert data is dataset
-    x, y, (_, mask) = dataset[1]
-    assert x.shape == (4, 2)
-    assert mask.tolist() == [1, 1, 1, 0]
-    assert dataset.rows == {1: 3}
+    tagged = dataset[1]
+    assert _padded_parts(tagged)[0].shape == (4, 1)
+    x, y = engine.untag(tagged)
+    assert x.shape == (3, 1) and y.tolist() == [1, 1, 1]
 
 
 @pytest.mark.parametrize("x", [5, 2.5, "abc", b"abc"], ids=["int", "float", "str", "bytes"])
 def test_as_padded_refuses_unsupported_types(x):
     with pytest.raises(TypeError, match=rf"Received: x of type {type(x).__name__}\."):
-        as_padded(x, replicas=2)
+        as_padded(x, replicas=2, tag=TAG)
 
 
 def test_as_padded_refuses_a_list_of_python_numbers():
     with pytest.raises(TypeError, match=r"x of type list"):
-        as_padded([1, 2, 3], replicas=2)
+        as_padded([1, 2, 3], replicas=2, tag=TAG)
 
 
 # -- doctests --------------------------------------------------------------------------
@@ -430,13 +500,3 @@ def test_module_doctests():
     results = doctest.testmod(keras_multigpu.batching, verbose=False)
     assert results.attempted > 0
     assert results.failed == 0
-
-
-def test_arrays_without_padding_or_weights_carry_no_mask():
-    x, y = _ids(12)
-    assert len(ArrayBatches(x, y, None, plan(12, 4, 2))[0]) == 2  # (x, y)
-    # One padded batch anywhere (or weights) gives every batch the mask, since
-    # Keras fixes the data layout from an epoch's first batch.
-    assert len(ArrayBatches(x, y, None, plan(12, 5, 2))[0]) == 3
-    assert len(ArrayBatches(x, y, np.ones(12), plan(12, 4, 2))[0]) == 3
-    assert len(pad_batch((_x(6), np.arange(6)), replicas=3)[0]) == 3  # streams: always

@@ -232,36 +232,3 @@ def test_compile_loss_without_reduction(model):
         parallel.compile(optimizer="sgd", loss=loss)
     assert type(info.value) is ValueError
     assert "sum_over_batch_size" in str(info.value)
-
-
-def _two_outputs():
-    inputs = keras.Input((6,))
-    hidden = keras.layers.Dense(4, activation="tanh")(inputs)
-    return keras.Model(
-        inputs,
-        [keras.layers.Dense(3, name="a")(hidden), keras.layers.Dense(2, name="b")(hidden)],
-    )
-
-
-@pytest.mark.parametrize("as_dict", [False, True], ids=["list", "dict"])
-def test_compile_losses_mixing_reductions(as_dict):
-    parallel = kmg.multi_gpu_model(_two_outputs(), gpus=2)
-    losses = [
-        keras.losses.MeanSquaredError(reduction="sum"),
-        keras.losses.MeanSquaredError(reduction="sum_over_batch_size"),
-    ]
-    if as_dict:
-        losses = dict(zip(["a", "b"], losses))
-    with pytest.raises(ValueError, match=r"mix reductions") as info:
-        parallel.compile(optimizer="sgd", loss=losses)
-    assert type(info.value) is ValueError
-    assert "'sum'" in str(info.value)
-    assert "'sum_over_batch_size'" in str(info.value)
-
-
-@pytest.mark.parametrize("reduction", ["sum", "mean_with_sample_weight", "sum_over_batch_size"])
-def test_compile_accepts_one_kind_of_reduction(reduction):
-    parallel = kmg.multi_gpu_model(_two_outputs(), gpus=2)
-    losses = [keras.losses.MeanSquaredError(reduction=reduction)] * 2
-    parallel.compile(optimizer="sgd", loss=losses)
-    assert parallel.compiled

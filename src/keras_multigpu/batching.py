@@ -1,28 +1,32 @@
 """Global batches into batches whose rows divide by the replica count.
 
 `batch_size` is the global batch. A batch whose row count does not divide
-by the number of replicas is padded up to the next multiple, so that no
-replica is ever empty. The padding repeats the batch's own rows, cyclically,
-and each batch travels with a mask saying which rows are real:
+by the number of replicas is padded up to the next multiple, so that every
+device receives the same number of rows and none is ever empty. The padding
+repeats the batch's own rows, cyclically, after the real ones:
 
->>> idx, mask = pad_indices(rows=5, replicas=4)
->>> idx.tolist(), mask.tolist()
-([0, 1, 2, 3, 4, 0, 1, 2], [1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0])
+>>> idx, real = pad_indices(rows=5, replicas=4)
+>>> idx.tolist(), real.tolist()
+([0, 1, 2, 3, 4, 0, 1, 2], [True, True, True, True, True, False, False, False])
 
 Replica 0 gets rows [0, 1], replica 1 gets [2, 3], replica 2 gets [4, 0*]
-and replica 3 gets [1*, 2*] (* = padding, weight 0). Repeating real rows
-instead of writing zeros keeps padded activations in the data's own range,
-so BatchNormalization's batch statistics stay finite and close to the real
-rows' statistics (see README, "Semantics").
+and replica 3 gets [1*, 2*] (* = padding). A padded batch travels *tagged*
+with its real row count (`backends.<engine>.tag`), and the engine hands the
+model's own step only the real rows (`untag`), so padding never reaches a
+loss, a metric or a BatchNormalization moment. Batches of a dataset that
+never needs padding travel as Keras would carry them: `(x,)`, `(x, y)` or
+`(x, y, sample_weight)`.
 
-Batches are `(x, y, (weights, mask))`: `weights` is the user's sample weight
-(or class weight) times the mask, and `ParallelModel` uses the mask to make
-the loss and the metrics those of the real rows alone. Arrays that need no
-padding in any batch and carry no weights stay `(x, y)`.
+Shuffling follows Keras's own data adapters draw for draw (`np.random`
+permutations for arrays, `random.shuffle` of the batch order for a
+`PyDataset`), but from a private generator that `ParallelModel.fit` seeds
+with the global generator's state when the call starts (see `RandomState`).
 """
 
 import dataclasses
 import math
+import random
+import threading
 import types
 
 import keras
@@ -59,6 +63,11 @@ class Plan:
         """Rows batch `step` has after padding to a multiple of the replicas."""
         return padded_size(self.rows(step), self.replicas)
 
+    @property
+    def padded(self):
+        """Whether any batch of an epoch needs padding."""
+        return any(self.rows(i) % self.replicas for i in range(self.num_batches))
+
 
 def _check_positive_int(name, value):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -89,14 +98,14 @@ def padded_size(rows, replicas):
 
 
 def pad_indices(rows, replicas):
-    """Row indices of the padded batch, and its mask (1.0 real, 0.0 padding)."""
+    """Row indices of the padded batch, and which of its rows are real."""
     size = padded_size(rows, replicas)
     positions = np.arange(size)
-    return positions % rows, (positions < rows).astype("float32")
+    return positions % rows, positions < rows
 
 
 def _num_rows(structure, what):
-    lengths = {int(np.shape(leaf)[0]) for leaf in tree.flatten(structure)}
+    lengths = {int(np.shape(leaf)[0]) for leaf in tree.flatten(structure) if leaf is not None}
     if not lengths:
         raise ValueError(f"{what} holds no arrays. Received: {what}={structure!r}.")
     if len(lengths) > 1:
@@ -110,30 +119,16 @@ def _num_rows(structure, what):
 def _take(structure, index):
     if structure is None:
         return None
-    return tree.map_structure(lambda a: a[index], structure)
+    return tree.map_structure(lambda a: None if a is None else a[index], structure)
 
 
-def _mask_like(mask, array):
-    return mask.reshape((-1,) + (1,) * (np.ndim(array) - 1))
-
-
-def pad_batch(batch, replicas, class_weight=None):
-    """Pads one `(x,)`, `(x, y)` or `(x, y, sample_weight)` batch.
-
-    Returns:
-        `((x, y, (weights, mask)), rows)`, or `((x,), rows)` when the batch
-        has no targets, where `rows` is the number of real rows.
-    """
-    parts = keras.utils.unpack_x_y_sample_weight(batch)
-    rows = _num_rows(parts[0], "x")
-    if rows == 0:
-        raise ValueError("A batch has 0 rows. Every batch needs at least one sample.")
-    index, mask = pad_indices(rows, replicas)
-    gathered = tuple(
-        None if part is None else _take(tree.map_structure(np.asarray, part), index)
-        for part in parts
-    )
-    return with_mask(gathered, mask, class_weight), rows
+def _parts(x, y, sample_weight):
+    """Keras's batch structure: `(x,)`, `(x, y)` or `(x, y, sample_weight)`."""
+    if sample_weight is not None:
+        return (x, y, sample_weight)
+    if y is not None:
+        return (x, y)
+    return (x,)
 
 
 def class_sample_weights(y, class_weight, sample_weight=None):
@@ -142,6 +137,11 @@ def class_sample_weights(y, class_weight, sample_weight=None):
         raise ValueError(
             "Pass either class_weight or sample_weight, not both. "
             f"Received: class_weight={class_weight!r} and sample weights."
+        )
+    if y is None:
+        raise ValueError(
+            "class_weight needs targets, and this input has none (y=None). "
+            "Pass y, or drop class_weight."
         )
     if len(tree.flatten(y)) != 1:
         raise ValueError(
@@ -153,86 +153,106 @@ def class_sample_weights(y, class_weight, sample_weight=None):
     )
 
 
-def with_mask(batch, mask, class_weight=None, always=True):
-    """Adds `(weights, mask)` to an already padded batch (see `pad_batch`).
+def pad_batch(batch, replicas, tag, class_weight=None, always=True):
+    """Pads one `(x,)`, `(x, y)` or `(x, y, sample_weight)` batch.
 
-    With `always=False`, a batch with neither padding nor weights stays
-    `(x, y)`. Keras fixes the data layout from an epoch's first batch, so a
-    dataset passes False only when none of its batches needs a mask.
+    Args:
+        batch: the batch, as a user's dataset yields it.
+        replicas: the device count.
+        tag: the engine's `tag(batch, rows, replicas)` (see `backends`).
+        class_weight: Keras's `class_weight`, turned into sample weights.
+        always: tag the batch even when it needs no padding. A dataset
+            whose batches may differ must tag them all, because Keras fixes
+            the data layout from an epoch's first batch.
+
+    Returns:
+        `(data, rows)`: what to hand to Keras, and the real row count.
     """
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
-    if y is None:
-        return (x,)
+    rows = _num_rows(x, "x")
+    if rows == 0:
+        raise ValueError("A batch has 0 rows. Every batch needs at least one sample.")
     if class_weight is not None:
         sample_weight = class_sample_weights(y, class_weight, sample_weight)
-    if sample_weight is None:
-        if not always and mask.all():
-            return x, y
-        weights = mask
-    else:
-        weights = tree.map_structure(
-            lambda w: np.asarray(w, "float32") * _mask_like(mask, w), sample_weight
-        )
-    return x, y, (weights, mask)
+    parts = tuple(
+        None if part is None else tree.map_structure(np.asarray, part)
+        for part in _parts(x, y, sample_weight)
+    )
+    if rows % replicas == 0 and not always:
+        return parts, rows
+    index, _ = pad_indices(rows, replicas)
+    return tag(tuple(_take(part, index) for part in parts), rows, replicas), rows
+
+
+class RandomState:
+    """The random draws of one `fit`, as Keras would make them.
+
+    Keras shuffles arrays with `np.random` and a `PyDataset`'s batch order
+    with Python's `random`, drawing from the global generators as it goes.
+    Here the draws come from private copies, taken when `fit` starts: the
+    order of every epoch is fixed by the state at that moment (under
+    `keras.utils.set_random_seed(s)`, by `s` and the program before `fit`)
+    and cannot be changed by anything drawing from the global generators
+    during training. `commit()` then moves the global generators on by
+    exactly the draws made, so code after `fit` sees the state it would have
+    seen after Keras's own `fit`.
+    """
+
+    def __init__(self):
+        self.numpy = np.random.RandomState()
+        self.numpy.set_state(np.random.get_state())
+        self.python = random.Random()
+        self.python.setstate(random.getstate())
+
+    def commit(self):
+        np.random.set_state(self.numpy.get_state())
+        random.setstate(self.python.getstate())
 
 
 class PaddedBatches(keras.utils.PyDataset):
-    """Base of the padded datasets: remembers each batch's real row count."""
+    """Base of the padded datasets."""
 
-    def __init__(self, replicas, class_weight=None, **kwargs):
+    def __init__(self, replicas, tag, class_weight=None, **kwargs):
         super().__init__(**kwargs)
         self.replicas = replicas
+        self.tag = tag
         self.class_weight = class_weight
-        self.rows = {}
 
-    def pad(self, index, batch):
-        padded, self.rows[index] = pad_batch(batch, self.replicas, self.class_weight)
-        return padded
-
-    def real_row_index(self):
-        """Positions of the real rows in the concatenated padded outputs.
-
-        >>> ds = PaddedBatches(replicas=4)
-        >>> ds.rows = {0: 4, 1: 2}
-        >>> ds.real_row_index().tolist()
-        [0, 1, 2, 3, 4, 5]
-        """
-        keep, offset = [], 0
-        for i in sorted(self.rows):
-            keep.append(offset + np.arange(self.rows[i]))
-            offset += padded_size(self.rows[i], self.replicas)
-        return np.concatenate(keep) if keep else np.zeros((0,), "int64")
+    def pad(self, batch):
+        return pad_batch(batch, self.replicas, self.tag, self.class_weight)[0]
 
 
 class ArrayBatches(PaddedBatches):
-    """Arrays (or dicts/lists of arrays) batched by a `Plan`, shuffled per epoch.
+    """Arrays (or dicts/lists of arrays) batched by a `Plan`, shuffled as Keras does.
 
-    With `place`, a function that puts `(x, y)` on the devices and returns
-    `take(index)` (see `backends`), each batch is gathered on the devices
-    instead of sliced on the host; `place` may return None to decline.
+    Args:
+        shuffle: False, True (a new permutation of every row at the start of
+            each pass) or `"batch"` (rows shuffled within each batch, the
+            batches in order), Keras's `fit(shuffle=...)`.
+        rng: the `np.random.RandomState` to draw from (default: NumPy's
+            global generator, as Keras's own adapter uses).
+        place: a function that puts `(x, y)` on the devices and returns
+            `take(index)` (see `backends`), so that each batch is gathered on
+            the devices instead of sliced on the host; it may return None to
+            decline.
     """
 
-    def __init__(self, x, y, sample_weight, plan, shuffle=False, class_weight=None,
-                 place=None):
-        super().__init__(plan.replicas)
+    def __init__(self, x, y, sample_weight, plan, tag, shuffle=False, class_weight=None,
+                 place=None, rng=None):
+        super().__init__(plan.replicas, tag)
         x, y, sample_weight = (
             None if part is None else tree.map_structure(np.asarray, part)
             for part in (x, y, sample_weight)
         )
-        if class_weight is not None and y is not None:
+        if class_weight is not None:
             # Once for the whole set, rather than per batch.
             sample_weight = class_sample_weights(y, class_weight, sample_weight)
         self.x, self.y, self.sample_weight = x, y, sample_weight
         self.plan = plan
         self.shuffle = shuffle
-        # Without padding or weights anywhere, batches stay (x, y): the step
-        # runs as Keras's own and two small copies per step are saved.
-        self.masked = sample_weight is not None or any(
-            plan.rows(i) % plan.replicas for i in range(plan.num_batches)
-        )
+        self.rng = np.random if rng is None else rng
         self.take = place((x, y)) if place is not None else None
         self.order = np.arange(plan.num_samples)
-        self.on_epoch_end()
 
     @property
     def num_batches(self):
@@ -242,46 +262,79 @@ class ArrayBatches(PaddedBatches):
         if not 0 <= index < self.plan.num_batches:
             raise IndexError(f"Batch {index} of {self.plan.num_batches}.")
         start = index * self.plan.batch_size
-        rows = self.order[start : start + self.plan.batch_size]
+        stop = min(start + self.plan.batch_size, self.plan.num_samples)
+        if self.shuffle == "batch":
+            rows = start + self.rng.permutation(stop - start)
+        else:
+            if self.shuffle and index == 0:
+                # A new pass: Keras draws its permutation as its iterator starts.
+                self.order = self.rng.permutation(self.plan.num_samples)
+            rows = self.order[start:stop]
         # One gather per array: the batch's rows and its padding together.
-        padding, mask = pad_indices(len(rows), self.replicas)
+        padding, _ = pad_indices(len(rows), self.replicas)
         index_rows = rows[padding]
         if self.take is not None:
             x, y = self.take(index_rows.astype("int32"))
         else:
             x, y = _take(self.x, index_rows), _take(self.y, index_rows)
-        self.rows[index] = len(rows)
-        return with_mask((x, y, _take(self.sample_weight, index_rows)), mask,
-                         always=self.masked)
-
-    def on_epoch_end(self):
-        if self.shuffle:
-            # The global NumPy generator, as Keras's own array adapter uses:
-            # keras.utils.set_random_seed makes the order reproducible.
-            self.order = np.random.permutation(self.plan.num_samples)
+        parts = _parts(x, y, _take(self.sample_weight, index_rows))
+        if not self.plan.padded:
+            return parts
+        return self.tag(parts, len(rows), self.replicas)
 
 
 class WrappedPyDataset(PaddedBatches):
-    """Pads the batches of a user's `keras.utils.PyDataset`."""
+    """Pads the batches of a user's `keras.utils.PyDataset`, shuffling their order as Keras does.
 
-    def __init__(self, dataset, replicas, class_weight=None):
+    Keras's own adapter shuffles a `PyDataset` of known length with
+    `random.shuffle` of the batch indices when a pass starts; `rng` is the
+    `random.Random` to draw from (default: Python's global generator).
+    """
+
+    def __init__(self, dataset, replicas, tag, class_weight=None, shuffle=False, rng=None):
         super().__init__(
             replicas,
+            tag,
             class_weight,
             workers=dataset.workers,
             use_multiprocessing=dataset.use_multiprocessing,
             max_queue_size=dataset.max_queue_size,
         )
         self.dataset = dataset
+        self.shuffle = bool(shuffle) and dataset.num_batches is not None
+        self.rng = random if rng is None else rng
+        self.order = None
+        self._threaded = dataset.workers > 1 or (
+            dataset.workers > 0 and dataset.use_multiprocessing
+        )
+        self._lock = threading.Lock()
 
     @property
     def num_batches(self):
         return self.dataset.num_batches
 
+    def _position(self, index):
+        if not self.shuffle:
+            return index
+        with self._lock:
+            # Unthreaded, Keras draws as a pass starts (batch 0); threaded,
+            # its enqueuer draws once an epoch, so the order is reset at the
+            # epoch's end and drawn by whichever fetch comes first.
+            if self.order is None or (index == 0 and not self._threaded):
+                order = list(range(self.dataset.num_batches))
+                self.rng.shuffle(order)
+                self.order = order
+            return self.order[index]
+
     def __getitem__(self, index):
-        return self.pad(index, self.dataset[index])
+        return self.pad(self.dataset[self._position(index)])
+
+    def on_epoch_begin(self):
+        self.dataset.on_epoch_begin()
 
     def on_epoch_end(self):
+        if self._threaded:
+            self.order = None
         self.dataset.on_epoch_end()
 
 
@@ -289,8 +342,8 @@ class WrappedIterable(PaddedBatches):
     """Pads a re-iterable of known length (tf.data, torch DataLoader, a list),
     iterating it afresh every epoch."""
 
-    def __init__(self, iterable, replicas, class_weight=None):
-        super().__init__(replicas, class_weight)
+    def __init__(self, iterable, replicas, tag, class_weight=None):
+        super().__init__(replicas, tag, class_weight)
         self.iterable = iterable
         self.iterator = None
 
@@ -301,30 +354,37 @@ class WrappedIterable(PaddedBatches):
     def __getitem__(self, index):
         if index == 0 or self.iterator is None:
             self.iterator = iter(self.iterable)
-        return self.pad(index, next(self.iterator))
+        return self.pad(next(self.iterator))
 
 
 def _padded_generator(generator, dataset):
-    for index, batch in enumerate(generator):
-        yield dataset.pad(index, batch)
+    for batch in generator:
+        yield dataset.pad(batch)
 
 
 def _is_array_like(x):
-    return all(hasattr(leaf, "shape") and hasattr(leaf, "__array__") for leaf in tree.flatten(x))
+    return all(
+        hasattr(leaf, "shape") and hasattr(leaf, "__array__")
+        for leaf in tree.flatten(x) if leaf is not None
+    ) and any(leaf is not None for leaf in tree.flatten(x))
 
 
-def as_padded(x, y=None, sample_weight=None, *, batch_size=None, replicas,
-              shuffle=False, class_weight=None, drop_remainder=False, place=None):
+def as_padded(x, y=None, sample_weight=None, *, batch_size=None, replicas, tag,
+              shuffle=False, class_weight=None, drop_remainder=False, place=None,
+              rng=None):
     """Turns what `Model.fit` accepts into padded batches.
 
     Args:
+        tag: the engine's `tag(batch, rows, replicas)` (see `backends`).
+        shuffle: Keras's `shuffle` (arrays and `PyDataset`s; other inputs
+            order themselves, as in Keras).
         place: for array inputs, a function that puts `(x, y)` on the devices
             and returns `take(index)`, or None to keep them on the host.
+        rng: a `RandomState` to shuffle with (default: the global generators).
 
     Returns:
         `(data, dataset)`: `data` is what to hand to Keras (a `PyDataset`, or
-        a generator for generator input) and `dataset` the `PaddedBatches`
-        that records the real row counts.
+        a generator for generator input) and `dataset` the `PaddedBatches`.
     """
     if isinstance(x, PaddedBatches):
         return x, x
@@ -334,6 +394,10 @@ def as_padded(x, y=None, sample_weight=None, *, batch_size=None, replicas,
         raise TypeError(
             "x must be arrays, a keras.utils.PyDataset, a generator or a dataset. "
             f"Received: x of type {type(x).__name__}."
+        )
+    if shuffle not in (True, False, "batch"):
+        raise ValueError(
+            f"shuffle must be True, False or 'batch', as in Keras. Received: shuffle={shuffle!r}."
         )
     streaming = isinstance(x, (keras.utils.PyDataset, types.GeneratorType)) or (
         not _is_array_like(x) and hasattr(x, "__iter__") and not isinstance(x, (dict, list, tuple))
@@ -353,12 +417,13 @@ def as_padded(x, y=None, sample_weight=None, *, batch_size=None, replicas,
                 "full batches only."
             )
         if isinstance(x, keras.utils.PyDataset):
-            dataset = WrappedPyDataset(x, replicas, class_weight)
+            dataset = WrappedPyDataset(x, replicas, tag, class_weight, shuffle=shuffle,
+                                       rng=None if rng is None else rng.python)
             return dataset, dataset
         if isinstance(x, types.GeneratorType) or not hasattr(x, "__len__"):
-            dataset = PaddedBatches(replicas, class_weight)
+            dataset = PaddedBatches(replicas, tag, class_weight)
             return _padded_generator(x, dataset), dataset
-        dataset = WrappedIterable(x, replicas, class_weight)
+        dataset = WrappedIterable(x, replicas, tag, class_weight)
         return dataset, dataset
     if not _is_array_like(x):
         raise TypeError(
@@ -378,6 +443,7 @@ def as_padded(x, y=None, sample_weight=None, *, batch_size=None, replicas,
     dataset = ArrayBatches(
         x, y, sample_weight,
         plan(rows, batch_size, replicas, drop_remainder),
-        shuffle=bool(shuffle), class_weight=class_weight, place=place,
+        tag, shuffle=shuffle, class_weight=class_weight, place=place,
+        rng=None if rng is None else rng.numpy,
     )
     return dataset, dataset

@@ -4,11 +4,18 @@
 *template*): it owns no variables, so training it trains the template. Its
 `fit`, `evaluate` and `predict` are Keras's own, fed padded batches by
 `batching` and run inside the backend's distribution scope, entered for the
-call and left after it, so no global state outlives a call. `save` and the
-weight methods act on the template, so every file written is a plain Keras
-file of the user's model.
+call and left after it, so no global state outlives a call.
+
+Every step is the template's own: `train_step`, `test_step` and
+`predict_step` run on the template (with the real rows of each batch, see
+`backends`), so its overrides of those, of `compute_loss` and
+`compute_metrics`, its `metrics`, its losses and the way Keras passes it the
+`training` flag all behave as on one device. `save` and the weight methods
+act on the template, so every file written is a plain Keras file of the
+user's model.
 """
 
+import collections.abc
 import contextlib
 import os
 
@@ -16,7 +23,7 @@ import keras
 from keras import tree
 from keras.src.utils import io_utils
 
-from keras_multigpu import backends, batching, masking
+from keras_multigpu import backends, batching
 from keras_multigpu import devices as devices_lib
 from keras_multigpu._io import atomic_path
 
@@ -58,12 +65,28 @@ def multi_gpu_model(model, gpus=None):
 RESIDENT_LIMIT_BYTES = 2 * 2**30
 
 
+def _needs_symbolic_build(model):
+    """Keras's own test (`Trainer._symbolic_build`) for building from a batch."""
+    return (
+        not all(layer.built for layer in model._flatten_layers())
+        or (model._compile_metrics is not None and not model._compile_metrics.built)
+        or (model._compile_loss is not None and not model._compile_loss.built)
+    )
+
+
+def _symbolic(value):
+    if value is None:
+        return None
+    return keras.KerasTensor(value.shape, keras.backend.standardize_dtype(value.dtype))
+
+
 class ParallelModel(keras.Model):
     """A model replicated on `devices`, each global batch split among them.
 
     Behaves like the Keras model it wraps (`compile`, `fit`, `evaluate`,
-    `predict`, `save`, ...). `batch_size` is the global batch: results equal
-    one device's with the same batch (see the README's "Semantics").
+    `predict`, `save`, its attributes, ...). `batch_size` is the global
+    batch: results equal one device's with the same batch (see the README's
+    "Semantics").
 
     Attributes:
         template: the model passed to `multi_gpu_model`, which holds the
@@ -73,22 +96,41 @@ class ParallelModel(keras.Model):
     """
 
     def __init__(self, template, devices):
-        super().__init__(name=f"parallel_{template.name}")
+        super().__init__(name=template.name)
         self.template = template
         self._devices = tuple(devices)
         self._backend = backends.current()
         self._distribution = self._backend.make_distribution(self._devices)
-        self._scale_by_rows = True
+        self._synced_compile = None
         if template.built:
             self.built = True
-        if getattr(template, "compiled", False):
-            self._compile_like_template()
+        self._sync_compile()
 
     devices = property(lambda self: list(self._devices))
     num_replicas = property(lambda self: len(self._devices))
 
-    def call(self, inputs, training=None):
-        return self.template(inputs, training=training)
+    def __getattr__(self, name):
+        # Only reached when normal lookup fails: the template's own public
+        # attributes (output_names, an encoder, ...) read through the wrapper.
+        template = self.__dict__.get("template")
+        if template is None or name.startswith("_"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(template, name)
+
+    def build(self, *args, **kwargs):
+        self.built = True  # the template builds itself when first called
+
+    def call(self, inputs, *args, **kwargs):
+        return self.template(self._backend.untag(inputs), *args, **kwargs)
+
+    # -- state ------------------------------------------------------------
+
+    @property
+    def metrics(self):
+        return self.template.metrics
+
+    def get_metrics_result(self):
+        return self.template.get_metrics_result()
 
     def _replicate_state(self):
         variables = list(self.template.variables) + list(self.metrics_variables)
@@ -109,46 +151,73 @@ class ParallelModel(keras.Model):
         # Keras resets metrics at every epoch and evaluate with fresh arrays on
         # the default device; put them back on the mesh so that the compiled
         # step sees the placement it was compiled for.
-        super().reset_metrics()
+        self.template.reset_metrics()
         self._backend.replicate(self.metrics_variables, self._distribution)
 
-    def _symbolic_build(self, *args, **kwargs):
-        # Keras builds the compiled metrics here, and metric objects the user
-        # made (e.g. keras.metrics.AUC()) created their variables outside the
-        # scope: place them before the step is compiled.
-        super()._symbolic_build(*args, **kwargs)
+    def _symbolic_build(self, iterator=None, data_batch=None):
+        # The template builds itself, its compiled loss and metrics and its
+        # optimizer, from the real rows of a batch. The batch is read from
+        # `iterator` exactly when Keras would read it, so that shuffling draws
+        # what a one-device `fit` draws.
+        if data_batch is None and iterator is not None and _needs_symbolic_build(self.template):
+            for _, _, data in iterator:
+                data_batch = data[0] if isinstance(data, (list, tuple)) else next(data)
+                break
+        if data_batch is not None:
+            data_batch = self._backend.untag(tree.map_structure(_symbolic, data_batch))
+        self.template._symbolic_build(data_batch=data_batch)
+        self.built = True
         self._replicate_state()
 
     # -- compile ---------------------------------------------------------
 
     def compile(self, optimizer="rmsprop", loss=None, **kwargs):
-        # The template is compiled too, sharing the optimizer, so that a file
-        # saved from it can resume training like any compiled Keras model.
-        masking.scales_by_rows(loss)  # refuse a bad loss before changing anything
+        """Compiles the template with these arguments (Keras's `compile`).
+
+        The wrapper trains with the template's compiled loss, metrics and
+        optimizer, so a file saved from the template resumes training like
+        any compiled Keras model.
+        """
+        _check_gradient_accumulation(optimizer)
+        _check_reductions(loss)
         self.template.compile(optimizer=optimizer, loss=loss, **kwargs)
-        self._compile_own(self.template.optimizer, loss, kwargs)
+        self._sync_compile()
 
-    def _compile_like_template(self):
-        config = dict(self.template._compile_config.config)
-        config.pop("optimizer", None)
-        loss = config.pop("loss", None)
-        self._compile_own(self.template.optimizer, loss, config)
+    def _sync_compile(self):
+        """Takes the template's optimizer and step options, if it is compiled.
 
-    def _compile_own(self, optimizer, loss, kwargs):
-        self._scale_by_rows = masking.scales_by_rows(loss)
+        Called at every entry point too, so that compiling the template
+        itself after wrapping it is seen.
+        """
+        template = self.template
+        config = getattr(template, "_compile_config", None)
+        if not getattr(template, "compiled", False) or config is self._synced_compile:
+            return
+        _check_gradient_accumulation(template.optimizer)
         with self._distribution.scope():
-            super().compile(optimizer=optimizer, loss=loss, **kwargs)
-        # Bypass attribute tracking: the tracker replaces Keras's, not adds to it.
-        object.__setattr__(self, "_loss_tracker", masking.RowMean(name="loss"))
+            super().compile(
+                optimizer=template.optimizer,
+                steps_per_execution=template.steps_per_execution,
+                jit_compile=template.jit_compile,
+                run_eagerly=template.run_eagerly,
+            )
+        self._synced_compile = config
 
-    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
-        weights, mask = sample_weight or (None, None)
-        return masking.compute_loss(self, y, y_pred, weights, mask, self._scale_by_rows)
+    # -- the template's steps ---------------------------------------------
 
-    def compute_metrics(self, x, y, y_pred, sample_weight=None):
-        weights, mask = sample_weight or (None, None)
-        masking.update_metrics(self._compile_metrics, y, y_pred, weights, mask)
-        return self.get_metrics_result()
+    def train_step(self, *args):
+        *state, data = args
+        result = self.template.train_step(*state, self._backend.untag(data))
+        return _checked_step_result(self.template, "train_step", result, bool(state))
+
+    def test_step(self, *args):
+        *state, data = args
+        result = self.template.test_step(*state, self._backend.untag(data))
+        return _checked_step_result(self.template, "test_step", result, bool(state))
+
+    def predict_step(self, *args):
+        *state, data = args
+        return self.template.predict_step(*state, self._backend.untag(data))
 
     # -- training and inference -----------------------------------------
 
@@ -160,8 +229,10 @@ class ParallelModel(keras.Model):
         return self._backend.resident(arrays, self._distribution)
 
     def _padded(self, x, y=None, sample_weight=None, **kwargs):
+        _check_names(self.template, x, "x", "input")
+        _check_names(self.template, y, "y", "output")
         return batching.as_padded(x, y, sample_weight, replicas=self.num_replicas,
-                                  place=self._place, **kwargs)
+                                  tag=self._backend.tag, place=self._place, **kwargs)
 
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
             callbacks=None, validation_split=0.0, validation_data=None,
@@ -173,6 +244,7 @@ class ParallelModel(keras.Model):
         `drop_remainder=True` skips the last, partial batch of each epoch
         (array inputs) instead of padding it.
         """
+        self._sync_compile()
         if validation_split and validation_data is None:
             if not batching._is_array_like(x):
                 raise ValueError(
@@ -180,26 +252,31 @@ class ParallelModel(keras.Model):
                     f"{type(x).__name__}. Pass validation_data instead."
                 )
             (x, y, sample_weight), validation_data = _split(x, y, sample_weight, validation_split)
+        rng = batching.RandomState()
         data, _ = self._padded(
             x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
-            class_weight=class_weight, drop_remainder=drop_remainder,
+            class_weight=class_weight, drop_remainder=drop_remainder, rng=rng,
         )
         if validation_data is not None:
             validation_data, _ = self._padded(
                 *keras.utils.unpack_x_y_sample_weight(validation_data),
                 batch_size=validation_batch_size or batch_size,
             )
-        with self._placed():
-            return super().fit(
-                data, epochs=epochs, verbose=verbose, callbacks=callbacks,
-                validation_data=validation_data, shuffle=False,
-                initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
-                validation_steps=validation_steps, validation_freq=validation_freq,
-            )
+        try:
+            with self._placed():
+                return super().fit(
+                    data, epochs=epochs, verbose=verbose, callbacks=callbacks,
+                    validation_data=validation_data, shuffle=False,
+                    initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
+                    validation_steps=validation_steps, validation_freq=validation_freq,
+                )
+        finally:
+            rng.commit()
 
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto",
                  sample_weight=None, steps=None, callbacks=None,
                  return_dict=False, **kwargs):
+        self._sync_compile()
         data, _ = self._padded(x, y, sample_weight, batch_size=batch_size)
         with self._placed():
             return super().evaluate(
@@ -209,27 +286,36 @@ class ParallelModel(keras.Model):
 
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
         """Keras's `predict`: exactly one output row per input row, in order."""
-        data, dataset = self._padded(x, batch_size=batch_size)
+        self._sync_compile()
+        data, _ = self._padded(x, batch_size=batch_size)
         with self._placed():
-            outputs = super().predict(data, verbose=verbose, steps=steps, callbacks=callbacks)
-        keep = dataset.real_row_index()
-        return tree.map_structure(lambda out: out[keep], outputs)
+            return super().predict(data, verbose=verbose, steps=steps, callbacks=callbacks)
+
+    def _pad_one(self, x, y=None, sample_weight=None, class_weight=None):
+        """One batch as the positional `x, y, sample_weight` of Keras's `*_on_batch`."""
+        batch, _ = batching.pad_batch(
+            batching._parts(x, y, sample_weight), self.num_replicas, self._backend.tag,
+            class_weight, always=False,
+        )
+        return batch
 
     def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None, return_dict=False):
-        batch, _ = batching.pad_batch((x, y, sample_weight), self.num_replicas, class_weight)
+        self._sync_compile()
+        batch = self._pad_one(x, y, sample_weight, class_weight)
         with self._placed():
             return super().train_on_batch(*batch, return_dict=return_dict)
 
     def test_on_batch(self, x, y=None, sample_weight=None, return_dict=False):
-        batch, _ = batching.pad_batch((x, y, sample_weight), self.num_replicas)
+        self._sync_compile()
+        batch = self._pad_one(x, y, sample_weight)
         with self._placed():
             return super().test_on_batch(*batch, return_dict=return_dict)
 
     def predict_on_batch(self, x):
-        (x,), rows = batching.pad_batch((x,), self.num_replicas)
+        self._sync_compile()
+        batch = self._pad_one(x)
         with self._placed():
-            outputs = super().predict_on_batch(x)
-        return tree.map_structure(lambda out: out[:rows], outputs)
+            return super().predict_on_batch(*batch)
 
     # -- the template's face --------------------------------------------
 
@@ -279,6 +365,86 @@ class ParallelModel(keras.Model):
         return self.template.outputs
 
 
+def _checked_step_result(template, step, result, stateless):
+    """The template's step result, refused with a clear error if Keras could not use it."""
+    logs = result
+    if stateless:  # JAX: (logs, state)
+        if not (isinstance(result, tuple) and len(result) == 2):
+            raise TypeError(
+                f"{type(template).__name__}.{step} must return (logs, state) on the JAX "
+                f"backend, as Keras's own does. Received: {_describe(result)}."
+            )
+        logs = result[0]
+    if not isinstance(logs, collections.abc.Mapping):
+        raise TypeError(
+            f"{type(template).__name__}.{step} must return its logs as a dict of metric "
+            f"names to values (e.g. {{'loss': loss}}), as Keras's own does. Received: "
+            f"logs of type {type(logs).__name__}: {_describe(logs)}."
+        )
+    return result
+
+
+def _describe(value):
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _check_gradient_accumulation(optimizer):
+    steps = getattr(optimizer, "gradient_accumulation_steps", None)
+    if steps is None:
+        return
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(
+            "gradient_accumulation_steps must be None or an integer >= 2 (gradients "
+            f"averaged over that many batches). Received: gradient_accumulation_steps={steps!r} "
+            f"on {type(optimizer).__name__}. Pass None to update at every batch."
+        )
+
+
+def _check_reductions(loss):
+    """Refuses losses that leave a vector, which no optimizer can minimise.
+
+    One device fails on them too, but deep inside the gradient computation.
+    """
+    for item in tree.flatten(loss):
+        reduction = getattr(item, "reduction", "sum_over_batch_size")
+        if reduction in (None, "none"):
+            raise ValueError(
+                f"The loss {item!r} has reduction={reduction!r}, so it returns one value "
+                "per sample and training has no scalar to minimise. Use "
+                "'sum_over_batch_size' (the default), 'mean_with_sample_weight' or 'sum'."
+            )
+
+
+def _names(template, kind):
+    """The template's input or output names, when it has them (Functional models)."""
+    if kind == "output":
+        names = getattr(template, "output_names", None)
+        return list(names) if names else None
+    struct = getattr(template, "_inputs_struct", None)
+    if isinstance(struct, dict):
+        return list(struct)
+    inputs = getattr(template, "_inputs", None) if hasattr(template, "_inputs_struct") else None
+    if not inputs:
+        return None
+    return [getattr(t, "name", None) for t in inputs]
+
+
+def _check_names(template, data, what, kind):
+    """Dict data must be keyed by the template's input (x) or output (y) names."""
+    if not isinstance(data, dict):
+        return
+    names = _names(template, kind)
+    if not names:
+        return
+    unknown = sorted(str(key) for key in data if key not in names)
+    if unknown:
+        raise ValueError(
+            f"{what} is a dict with key(s) {unknown} that name no {kind} of the model "
+            f"{template.name!r}. Its {kind}s are {names}. Key {what} by those names."
+        )
+
+
 def _split(x, y, sample_weight, fraction):
     """Keras's `validation_split`: the last `fraction` of the rows, unshuffled."""
     if not 0.0 < fraction < 1.0:
@@ -298,3 +464,4 @@ def _split(x, y, sample_weight, fraction):
         tuple(batching._take(part, train) for part in (x, y, sample_weight)),
         tuple(batching._take(part, val) for part in (x, y, sample_weight)),
     )
+

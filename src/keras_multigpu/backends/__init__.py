@@ -15,6 +15,11 @@ Every backend module defines the names in `API`:
   device of `distribution` (models are usually built before it exists).
 - `resident(arrays, distribution)`: place a dataset on the devices once and
   return `take(index)`, which gathers a batch there, already split.
+- `tag(batch, rows, replicas)`: on the host, a padded batch (its real rows
+  first) as handed to Keras, marked with its real row count `rows`.
+- `untag(data)`: inside the compiled step, the real rows of a tagged batch
+  (any other data unchanged), so that the model's own step sees exactly the
+  rows one device would.
 - `process_index()`, `process_count()`: this host's rank and the host count.
 """
 
@@ -29,6 +34,8 @@ API = (
     "make_distribution",
     "replicate",
     "resident",
+    "tag",
+    "untag",
     "process_index",
     "process_count",
 )

@@ -4,8 +4,17 @@ The batch is sharded along a one-axis device mesh and every variable is
 replicated, so XLA compiles the step once for the whole mesh and inserts the
 gradient all-reduce itself. Batch statistics (BatchNormalization, metrics)
 are means over the global batch: the program is written as for one device.
+
+A batch of n rows that does not divide over the R devices travels padded to
+P = ceil(n / R) * R rows, with a marker whose *shape* is (R, n). Inside the
+compiled step, `untag` slices the real n rows back out. That slice is a
+static shape, so XLA's SPMD partitioner carries the uneven split through the
+rest of the step itself, masking the padded tail of the last shard in every
+reduction (means, BatchNormalization moments, losses, metrics, gradients).
+The model's own step then runs on exactly the rows one device would see.
 """
 
+import functools
 import logging
 import os
 import warnings
@@ -14,6 +23,7 @@ import jax
 import keras
 import numpy as np
 from jax._src import xla_bridge
+from keras import tree
 
 from keras_multigpu.devices import Device
 
@@ -77,6 +87,18 @@ def replicate(variables, distribution):
         variable.assign(jax.device_put(value, target))
 
 
+@functools.cache
+def _gather(mesh):
+    """One compiled gather per mesh, shared by every call and dataset.
+
+    Building the `jax.jit` object anew for each `fit` would compile it anew
+    for each `fit` too: jit caches compilations on the function object.
+    """
+    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("batch"))
+    return jax.jit(lambda tree, index: jax.tree.map(lambda a: a[index], tree),
+                   out_shardings=split)
+
+
 def resident(arrays, distribution):
     """Places `arrays` (a tree) on every device once; returns `take(index)`.
 
@@ -87,11 +109,61 @@ def resident(arrays, distribution):
     """
     mesh = distribution.device_mesh.backend_mesh
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("batch"))
     placed = jax.device_put(arrays, replicated)
-    gather = jax.jit(lambda tree, index: jax.tree.map(lambda a: a[index], tree),
-                     out_shardings=split)
+    gather = _gather(mesh)
     return lambda index: gather(placed, jax.device_put(index, replicated))
+
+
+# The keys of a tagged batch: no Keras batch is a dict with exactly these two.
+_BATCH, _ROWS = "keras_multigpu_batch", "keras_multigpu_rows"
+
+
+def tag(batch, rows, replicas):
+    """The padded `batch` as fed to Keras, marked with its real row count.
+
+    Args:
+        batch: `(x,)`, `(x, y)` or `(x, y, sample_weight)`, every array
+            padded to a multiple of `replicas` rows, real rows first.
+        rows: how many leading rows are real.
+        replicas: the device count.
+
+    Returns:
+        `(tagged,)`: Keras takes it for an `(x,)` batch, whatever the input
+        kind (generators must yield tuples), and hands it to the step whole.
+    """
+    return ({_BATCH: batch, _ROWS: np.zeros((replicas, rows), "bool")},)
+
+
+def _tagged(data):
+    return isinstance(data, dict) and data.keys() == {_BATCH, _ROWS}
+
+
+def untag(data):
+    """Inside the step: the real rows of a tagged batch, else `data` itself.
+
+    Accepts `(tagged,)` as `tag` returns it, and the `(tagged, None, None)`
+    that Keras's `*_on_batch` methods build around their `x`.
+    """
+    if isinstance(data, tuple) and data and _tagged(data[0]):
+        if any(part is not None for part in data[1:]):
+            raise ValueError("A tagged batch must travel alone.")
+        data = data[0]
+    if not _tagged(data):
+        return data
+    rows = data[_ROWS].shape[1]
+    batch = data[_BATCH]
+    first = next(leaf for leaf in tree.flatten(batch) if leaf is not None)
+    if first.shape[0] == rows:
+        return batch
+    return tree.map_structure(lambda a: _head(a, rows), batch)
+
+
+def _head(array, rows):
+    if array is None:
+        return None
+    if isinstance(array, keras.KerasTensor):  # Keras's symbolic build
+        return keras.KerasTensor((rows, *array.shape[1:]), array.dtype)
+    return array[:rows]
 
 
 def process_index():
