@@ -21,13 +21,16 @@ import os as _os
 _os.environ.setdefault("KERAS_BACKEND", "jax")
 
 from keras_multigpu import backends as _backends  # noqa: E402
+from keras_multigpu import schedules
 from keras_multigpu.devices import Device, list_devices
 from keras_multigpu.devices import cpu_device_count as _cpu_device_count
 from keras_multigpu.parallel import ParallelModel, multi_gpu_model
 
 __version__ = "0.1.0"
 
-__all__ = ["Device", "ParallelModel", "list_devices", "multi_gpu_model", "__version__"]
+__all__ = [
+    "Device", "ParallelModel", "list_devices", "multi_gpu_model", "schedules", "__version__",
+]
 
 if _cpu_device_count():
     _backends.current().configure_cpu_devices(_cpu_device_count())
