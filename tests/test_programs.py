@@ -1,0 +1,170 @@
+"""Real Keras programs (tests/programs/) train through the wrapper as on one device.
+
+Each program is trained by plain Keras on one device, then through `multi_gpu_model` on 2
+and 3 devices with a global batch that divides neither device count nor the dataset, from
+the same seed. Final weights, every history key, predict outputs and (after the 3-device
+run) a reload of the saved file, in a process that never imports keras_multigpu, must
+agree: float32, 1e-4 relative.
+"""
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+import keras_multigpu as kmg
+
+PROGRAMS_DIR = os.path.join(os.path.dirname(__file__), "programs")
+PROGRAMS = sorted(
+    name[:-3] for name in os.listdir(PROGRAMS_DIR) if name.startswith("p") and name.endswith(".py")
+)
+RTOL, ATOL = 1e-4, 1e-6
+SEED = 1
+
+
+def _load(name):
+    return importlib.import_module(f"programs.{name}")
+
+
+def _run(program, gpus, workdir, fit_kwargs=None, optimizer=None):
+    """Trains `program` from SEED: plain Keras when gpus is None, else through the wrapper.
+
+    `fit_kwargs` and `optimizer` (a factory) replace the program's own, for controls.
+    """
+    os.makedirs(workdir, exist_ok=True)
+    keras.utils.set_random_seed(SEED)
+    model = program.build()
+    initial = [np.copy(w) for w in model.get_weights()] if model.built else None
+    compile_kwargs = {} if optimizer is None else {"optimizer": optimizer()}
+    if getattr(program, "COMPILE_BEFORE_WRAP", False):
+        program.compile(model, **compile_kwargs)
+        target = model if gpus is None else kmg.multi_gpu_model(model, gpus=gpus)
+    else:
+        target = model if gpus is None else kmg.multi_gpu_model(model, gpus=gpus)
+        program.compile(target, **compile_kwargs)
+    history = target.fit(**(fit_kwargs or program.fit_kwargs(workdir)))
+    predicted = target.predict(program.predict_x(), batch_size=25, verbose=0)
+    return model, target, initial, history.history, predicted
+
+
+def _close(expected, actual, what):
+    np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), rtol=RTOL, atol=ATOL,
+                               err_msg=what)
+
+
+def _deviation(reference, run):
+    """How far `run`'s weights are from `reference`'s, in units of the tolerance."""
+    return max(
+        float(np.max(np.abs(a - b) / (RTOL * np.abs(a) + ATOL)))
+        for a, b in zip(reference[0].get_weights(), run[0].get_weights())
+    )
+
+
+def _compare(reference, run, gpus):
+    ref_model, _, _, ref_history, ref_predicted = reference
+    model, _, _, history, predicted = run
+    assert history.keys() == ref_history.keys(), f"{gpus} devices: history keys"
+    for key in ref_history:
+        _close(ref_history[key], history[key], f"{gpus} devices: history[{key!r}]")
+    ref_weights, weights = ref_model.get_weights(), model.get_weights()
+    assert len(weights) == len(ref_weights)
+    for i, (expected, actual) in enumerate(zip(ref_weights, weights)):
+        _close(expected, actual, f"{gpus} devices: weight {i} ({ref_model.weights[i].path})")
+    for i, (expected, actual) in enumerate(zip(keras.tree.flatten(ref_predicted),
+                                                keras.tree.flatten(predicted))):
+        _close(expected, actual, f"{gpus} devices: predict output {i}")
+
+
+RELOAD = r"""
+import importlib.util, json, sys
+import numpy as np
+import keras
+spec = importlib.util.spec_from_file_location("program", sys.argv[1])
+program = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(program)
+x = program.predict_x()
+if program.SAVE == "keras":
+    model = keras.saving.load_model(sys.argv[2])
+else:
+    model = program.build()
+    model.predict(keras.tree.map_structure(lambda a: a[:1], x), verbose=0)  # builds it
+    model.load_weights(sys.argv[2])
+out = keras.tree.flatten(model.predict(x, batch_size=25, verbose=0))
+np.savez(sys.argv[3], *out)
+assert "keras_multigpu" not in sys.modules, "the reload imported keras_multigpu"
+print(json.dumps({"outputs": len(out), "devices": len(keras.distribution.list_devices())}))
+"""
+
+
+def _reload_elsewhere(name, target, workdir):
+    program = _load(name)
+    path = os.path.join(workdir, "saved.keras" if program.SAVE == "keras" else "saved.weights.h5")
+    if program.SAVE == "keras":
+        target.save(path)
+    else:
+        target.save_weights(path)
+    out = os.path.join(workdir, "reloaded.npz")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("KERAS_MULTIGPU_CPU_DEVICES", "XLA_FLAGS", "PYTHONPATH")}
+    env["KERAS_BACKEND"] = "jax"
+    result = subprocess.run(
+        [sys.executable, "-c", RELOAD, os.path.join(PROGRAMS_DIR, f"{name}.py"), path, out],
+        capture_output=True, text=True, env=env, timeout=300, check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    facts = json.loads(result.stdout.strip().splitlines()[-1])
+    assert facts["devices"] == 1  # one CPU device: no virtual devices, no library
+    with np.load(out) as saved:
+        return [saved[f"arr_{i}"] for i in range(facts["outputs"])]
+
+
+@pytest.mark.parametrize("name", PROGRAMS)
+def test_program_equals_one_device(name, tmp_path):
+    program = _load(name)
+    assert program.SOURCE.startswith("https://")
+    # A program whose optimizer amplifies rounding (see its docstring and
+    # test_amplified_programs_differ_without_padding) is held to the tolerance under SGD.
+    optimizer = getattr(program, "EXACT_OPTIMIZER", None)
+    reference = _run(program, None, str(tmp_path / "one"), optimizer=optimizer)
+    ref_model, _, initial, _, _ = reference
+    if initial is not None:  # the program trained something
+        assert any(not np.allclose(a, b) for a, b in zip(initial, ref_model.get_weights()))
+    for gpus in (2, 3):
+        run = _run(program, gpus, str(tmp_path / f"gpus{gpus}"), optimizer=optimizer)
+        assert isinstance(run[1], kmg.ParallelModel) and run[1].num_replicas == gpus
+        _compare(reference, run, gpus)
+    model, target = run[0], run[1]
+    reloaded = _reload_elsewhere(name, target, str(tmp_path / "gpus3"))
+    expected = keras.tree.flatten(model.predict(program.predict_x(), batch_size=25, verbose=0))
+    assert len(reloaded) == len(expected)
+    for i, (a, b) in enumerate(zip(expected, reloaded)):
+        _close(a, b, f"reloaded output {i}")
+
+
+AMPLIFIED = [name for name in PROGRAMS if hasattr(_load(name), "AMPLIFIED")]
+
+
+@pytest.mark.parametrize("name", AMPLIFIED)
+def test_amplified_programs_differ_without_padding(name, tmp_path):
+    """The program as written, with no padded batch at all, already leaves the tolerance
+    between 1 and 2 devices: its optimizer amplifies reduction order, not the padding."""
+    program = _load(name)
+    control = program.CONTROL(str(tmp_path))
+    rows = len(keras.tree.flatten(control["x"])[0])
+    assert rows % control["batch_size"] == 0
+    assert control["batch_size"] % 2 == 0 and control["batch_size"] % 3 == 0
+    reference = _run(program, None, str(tmp_path / "one"), fit_kwargs=program.CONTROL(""))
+    for gpus in (2, 3):
+        run = _run(program, gpus, str(tmp_path / f"g{gpus}"), fit_kwargs=program.CONTROL(""))
+        assert _deviation(reference, run) > 1.0, f"{gpus} devices matched: drop AMPLIFIED"
+    # As written (padded), the wrapper runs the same epochs and logs as one device.
+    padded = _run(program, 2, str(tmp_path / "padded"))
+    one = _run(program, None, str(tmp_path / "padded1"))
+    assert padded[3].keys() == one[3].keys()
+    assert len(padded[3]["loss"]) == len(one[3]["loss"])
+    assert all(np.all(np.isfinite(w)) for w in padded[0].get_weights())
