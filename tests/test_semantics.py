@@ -459,3 +459,26 @@ def test_compiling_the_template_after_wrapping_is_seen():
         for key in expected:
             np.testing.assert_allclose(got[key], expected[key], rtol=1e-5)
     assert_weights_close(weights, p_weights)
+
+
+@pytest.mark.parametrize("mode", [{"run_eagerly": True}, {"jit_compile": False}],
+                         ids=["run_eagerly", "no-jit"])
+def test_uncompiled_steps_equal_one_device(mode):
+    x, y = classification_data(29)
+
+    def build():
+        return keras.Sequential([keras.Input((6,)), layers.Dense(4), layers.BatchNormalization(),
+                                 layers.Dense(3, activation="softmax")])
+
+    def compile_fn(model):
+        model.compile(optimizer="sgd", loss="categorical_crossentropy", metrics=["accuracy"],
+                      **mode)
+
+    plain, expected, template, parallel, history = _fit_both(
+        build, compile_fn, {"x": x, "y": y, "batch_size": 10, "epochs": 2}, gpus=3,
+    )
+    assert parallel.run_eagerly == plain.run_eagerly
+    _assert_history_close(expected, history)
+    assert_weights_close(plain.get_weights(), template.get_weights())
+    np.testing.assert_allclose(parallel.predict(x, batch_size=10, verbose=0),
+                               plain.predict(x, batch_size=10, verbose=0), atol=1e-6)
