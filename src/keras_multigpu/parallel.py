@@ -159,6 +159,9 @@ class ParallelModel(keras.Model):
         # optimizer, from the real rows of a batch. The batch is read from
         # `iterator` exactly when Keras would read it, so that shuffling draws
         # what a one-device `fit` draws.
+        optimizer = getattr(self.template, "optimizer", None)
+        building = _needs_symbolic_build(self.template) or (
+            optimizer is not None and not optimizer.built)
         if data_batch is None and iterator is not None and _needs_symbolic_build(self.template):
             for _, _, data in iterator:
                 data_batch = data[0] if isinstance(data, (list, tuple)) else next(data)
@@ -167,7 +170,8 @@ class ParallelModel(keras.Model):
             data_batch = self._backend.untag(tree.map_structure(_symbolic, data_batch))
         self.template._symbolic_build(data_batch=data_batch)
         self.built = True
-        self._replicate_state()
+        if building:  # new variables: `_placed` replicated those that existed
+            self._replicate_state()
 
     # -- compile ---------------------------------------------------------
 
@@ -252,7 +256,9 @@ class ParallelModel(keras.Model):
                     f"{type(x).__name__}. Pass validation_data instead."
                 )
             (x, y, sample_weight), validation_data = _split(x, y, sample_weight, validation_split)
-        rng = batching.RandomState()
+        # Arrays with shuffle=False draw nothing: no generator state to keep.
+        draws = shuffle is not False or not batching._is_array_like(x)
+        rng = batching.RandomState() if draws else None
         data, _ = self._padded(
             x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
             class_weight=class_weight, drop_remainder=drop_remainder, rng=rng,
@@ -271,7 +277,8 @@ class ParallelModel(keras.Model):
                     validation_steps=validation_steps, validation_freq=validation_freq,
                 )
         finally:
-            rng.commit()
+            if rng is not None:
+                rng.commit()
 
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto",
                  sample_weight=None, steps=None, callbacks=None,

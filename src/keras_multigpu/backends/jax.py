@@ -74,17 +74,26 @@ def make_distribution(devices):
 def replicate(variables, distribution):
     mesh = distribution.device_mesh.backend_mesh
     target = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    stale = []
     for variable in variables:
         value = variable.value
         # An uncommitted array (fresh from an assignment) counts as equivalent
         # on a one-device mesh, yet jit keys its cache on commitment: placing
-        # it explicitly is what keeps the step compiled once.
-        if value.committed and value.sharding.is_equivalent_to(target, np.ndim(value)):
+        # it explicitly is what keeps the step compiled once. `==` is the
+        # cheap test that a value the step returned passes.
+        if value.committed and (value.sharding == target
+                                or value.sharding.is_equivalent_to(target, np.ndim(value))):
             continue
+        stale.append(variable)
+    if not stale:
+        return
+    # One transfer for all of them (metrics reset every epoch: several small
+    # arrays), rather than one dispatch per variable.
+    for variable, value in zip(stale, jax.device_put([v.value for v in stale], target)):
         # A layout left by an earlier distribution would send the value back
         # to its old devices on assignment; this placement supersedes it.
         variable._layout = None
-        variable.assign(jax.device_put(value, target))
+        variable.assign(value)
 
 
 @functools.cache
@@ -111,7 +120,9 @@ def resident(arrays, distribution):
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     placed = jax.device_put(arrays, replicated)
     gather = _gather(mesh)
-    return lambda index: gather(placed, jax.device_put(index, replicated))
+    # The host index goes in as it is: jit places it beside `placed` within
+    # the same dispatch (no recompilation: an uncommitted argument).
+    return lambda index: gather(placed, index)
 
 
 # The keys of a tagged batch: no Keras batch is a dict with exactly these two.
