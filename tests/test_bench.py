@@ -2,11 +2,12 @@
 
 import importlib.util
 import json
+import math
 
 import pytest
 
 from keras_multigpu import bench, cli
-from keras_multigpu.bench import scaling
+from keras_multigpu.bench import scaling, worker
 
 
 def test_setup_names():
@@ -72,8 +73,37 @@ def test_tiny_run_writes_results_and_plots(tmp_path, capsys):
     assert {"ours-1 / plain-1", "ours-2 / ours-1", "ours-2 / dataparallel-2",
             "ours-2 / independent-2"} <= set(results["ratios"])
     assert results["projection"]["rows"] and results["machine"]["cores"] >= 1
+    # Whole fit calls after the warm-up fit: every setup has the per-call figures.
+    assert results["spec"]["fit_calls"] == 3 and results["spec"]["fit_epochs"] == 1
+    for name, row in results["table"].items():
+        for figure in ("fit_call_ms", "fit_call_images_per_second"):
+            spread = row[figure]
+            assert 0 < spread["min"] <= spread["median"] <= spread["max"] < math.inf, (name, figure)
+        assert math.isfinite(row["fit_call_outside_epochs_ms"]["median"]), name
+    for name in ("plain-1", "ours-1", "ours-2", "dataparallel-2"):
+        calls = results["raw"][name][0]["fit_calls"]
+        assert len(calls) == 3 and all(c["seconds"] >= c["epoch_seconds"] > 0 for c in calls)
+        assert all(isinstance(c["compiles"], int) for c in calls), name  # counted on JAX
+    for name in ("ours-1", "ours-2"):  # a warm model compiles nothing more per fit call
+        assert results["table"][name]["fit_call_compiles"]["max"] == 0, name
+    assert ceiling["fit_call_images_per_second"] == pytest.approx(
+        sum(p["fit_call_images_per_second"] for p in ceiling["processes"]))
+    assert {"ours-1 / plain-1", "ours-2 / dataparallel-2"} <= set(results["fit_call_ratios"])
+    assert all(v > 0 for v in results["fit_call_ratios"].values())
     printed = capsys.readouterr().out
     assert "ours-2 / dataparallel-2" in printed and "Projected efficiency" in printed
+    assert "Whole fit calls after a warm-up fit" in printed and "Per fit call:" in printed
+
+
+def test_fit_call_figures_are_medians_over_calls():
+    calls = [{"seconds": s, "epoch_seconds": s - 0.01, "compiles": c}
+             for s, c in ((0.5, 0), (0.25, 1), (1.0, 0))]
+    figures = worker.fit_call_figures(calls, samples=100, epochs=2)
+    assert figures["fit_call_ms"] == pytest.approx(500)
+    assert figures["fit_call_images_per_second"] == pytest.approx(400)
+    assert figures["fit_call_outside_epochs_ms"] == pytest.approx(10)
+    assert figures["fit_call_compiles"] == 1
+    assert worker.fit_call_figures([], samples=100, epochs=2)["fit_call_ms"] is None
 
 
 def test_cost_model_behaves():

@@ -22,6 +22,16 @@ def _positive_int(text):
     return value
 
 
+def _count(text):
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or a positive integer, got {text!r}")
+    return value
+
+
 def _gpu_list(text):
     try:
         counts = [int(part) for part in text.split(",") if part.strip()]
@@ -138,7 +148,8 @@ def cmd_bench(args):
         setups = bench.default_setups(count)
     spec = bench.spec(model=args.model, width=args.width, samples=args.samples,
                       epochs=args.epochs, batch_per_device=args.batch_per_device,
-                      precision=args.precision)
+                      precision=args.precision, fit_calls=args.fit_calls,
+                      fit_epochs=args.fit_epochs)
     results = bench.run(setups, spec, rounds=args.rounds, output=args.output,
                         timeout=args.timeout, step_ms=args.step_ms)
     print(bench.format_table(results))
@@ -181,6 +192,10 @@ def build_parser():
     bench.add_argument("--samples", type=_positive_int, default=2048)
     bench.add_argument("--epochs", type=_positive_int, default=3, help="timed epochs per run")
     bench.add_argument("--batch-per-device", type=_positive_int, default=64)
+    bench.add_argument("--fit-calls", type=_count, default=3,
+                       help="whole fit calls timed after the warm-up fit (0: none)")
+    bench.add_argument("--fit-epochs", type=_positive_int, default=1,
+                       help="epochs per timed fit call")
     bench.add_argument("--rounds", type=_positive_int, default=3)
     bench.add_argument("--precision", default="float32",
                        choices=["float32", "mixed_bfloat16", "mixed_float16"])

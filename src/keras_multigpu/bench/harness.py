@@ -4,6 +4,10 @@ Round r runs every setup once, in order (A, B, C, A, B, C, ...), so that a
 slow moment of the machine touches every setup alike. Each figure reported is
 the median over rounds, with min and max. Speed-up and efficiency are against
 `ours-1` (ours on one device).
+
+Throughput is reported twice (see `worker`): over steady epochs inside one
+`fit`, and over whole `fit` calls of a warm model (`fit_call_*`), which adds
+what each call costs beyond its epochs.
 """
 
 import contextlib
@@ -24,7 +28,8 @@ from keras_multigpu.bench import setups as setups_lib
 logger = logging.getLogger(__name__)
 
 FIGURES = ("images_per_second", "ms_per_step", "compiled_step_ms", "outside_step_ms",
-           "compile_seconds", "peak_host_memory_mb")
+           "compile_seconds", "peak_host_memory_mb", "fit_call_ms", "fit_call_images_per_second",
+           "fit_call_outside_epochs_ms", "fit_call_compiles")
 
 
 def machine():
@@ -82,8 +87,10 @@ def run_worker(setup, spec, virtual, timeout):
 def combine(setup, results):
     """One result for processes that ran at once: throughputs add, times are the slowest."""
     slowest = max(results, key=lambda r: r["ms_per_step"])
+    per_call = [r.get("fit_call_images_per_second") for r in results]
     return {**slowest, "setup": setup.name, "engine": setup.engine, "devices": setup.devices,
             "images_per_second": sum(r["images_per_second"] for r in results),
+            "fit_call_images_per_second": None if None in per_call else sum(per_call),
             "peak_host_memory_mb": sum(r["peak_host_memory_mb"] for r in results),
             "processes": results}
 
@@ -102,19 +109,23 @@ def summarize(runs, spec):
         first = results[0]
         table[name] = {"engine": first["engine"], "devices": first["devices"],
                        "parameters": first["parameters"],
-                       **{k: _spread([r[k] for r in results]) for k in FIGURES}}
+                       **{k: _spread([r.get(k) for r in results]) for k in FIGURES}}
     base = table.get("ours-1") or table.get("plain-1")
     for row in table.values():
         if base:
             speedup = row["images_per_second"]["median"] / base["images_per_second"]["median"]
             row["speedup"] = speedup
             row["efficiency"] = speedup / row["devices"]
+    return table, _ratios(table, "images_per_second")
+
+
+def _ratios(table, figure):
+    """Throughput ratios (`figure`'s medians) of ours against its references."""
     ratios = {}
 
     def ratio(a, b):
-        if a in table and b in table:
-            ratios[f"{a} / {b}"] = (table[a]["images_per_second"]["median"]
-                                    / table[b]["images_per_second"]["median"])
+        if a in table and b in table and table[a][figure] and table[b][figure]:
+            ratios[f"{a} / {b}"] = table[a][figure]["median"] / table[b][figure]["median"]
 
     ratio("ours-1", "plain-1")
     for name, row in table.items():
@@ -123,7 +134,7 @@ def summarize(runs, spec):
             ratio(name, f"dataparallel-{row['devices']}")
             ratio(name, f"mirrored-{row['devices']}")
             ratio(name, f"independent-{row['devices']}")
-    return table, ratios
+    return ratios
 
 
 def projection(table, step_ms=None):
@@ -163,7 +174,9 @@ def run(setups, spec, rounds=3, output=None, timeout=900, step_ms=None):
     results = {"command": " ".join(sys.argv), "spec": spec, "rounds": rounds,
                "virtual_cpu_devices": virtual, "machine": machine(), "skipped": skipped,
                "failures": failures,
-               "table": table, "ratios": ratios, "projection": projection(table, step_ms),
+               "table": table, "ratios": ratios,
+               "fit_call_ratios": _ratios(table, "fit_call_images_per_second"),
+               "projection": projection(table, step_ms),
                "raw": runs}
     if output:
         os.makedirs(output, exist_ok=True)
@@ -189,8 +202,12 @@ def format_table(results):
     for name, errors in results.get("failures", {}).items():
         last = errors[-1].strip().splitlines()[-1][:150]
         lines.append(f"{name:16} failed in {len(errors)} round(s); last: {last}")
+    lines += _format_fit_calls(results)
     lines.append("")
     lines += [f"{name:32} {value:.3f}" for name, value in results["ratios"].items()]
+    if results.get("fit_call_ratios"):
+        lines.append("Per fit call:")
+        lines += [f"{name:32} {value:.3f}" for name, value in results["fit_call_ratios"].items()]
     if results["projection"]:
         p = results["projection"]
         lines.append(f"\nProjected efficiency from {p['source']} ({p['compute_ms']:.2f} ms, "
@@ -201,3 +218,23 @@ def format_table(results):
                          f"{100 * row['efficiency']:5.1f} % (no overlap), "
                          f"{100 * row['efficiency_overlap']:5.1f} % (overlap)")
     return "\n".join(lines)
+
+
+def _format_fit_calls(results):
+    """The per-call block of the table: whole `fit` calls of a warm model."""
+    rows = {name: row for name, row in results["table"].items() if row.get("fit_call_ms")}
+    if not rows:
+        return []
+    spec = results["spec"]
+    lines = ["", f"Whole fit calls after a warm-up fit ({spec.get('fit_calls')} calls of "
+                 f"{spec.get('fit_epochs')} epoch(s) each; medians over rounds):",
+             f"{'setup':16}{'dev':>4}{'ms/call':>10}{'min':>10}{'max':>10}{'img/s':>10}"
+             f"{'outside epochs ms':>19}{'compiles':>9}"]
+    for name, row in rows.items():
+        call, ips = row["fit_call_ms"], row["fit_call_images_per_second"]
+        outside = row["fit_call_outside_epochs_ms"]["median"]
+        compiles = row["fit_call_compiles"]
+        lines.append(f"{name:16}{row['devices']:>4}{call['median']:>10.1f}{call['min']:>10.1f}"
+                     f"{call['max']:>10.1f}{ips['median']:>10.1f}{outside:>19.2f}"
+                     f"{'-' if compiles is None else int(compiles['max']):>9}")
+    return lines

@@ -29,13 +29,20 @@ def draw(results, output):
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
     names = list(table)
-    bar_ax.bar(names, [table[n]["images_per_second"]["median"] for n in names],
-               yerr=[[table[n]["images_per_second"]["median"] - table[n]["images_per_second"]["min"]
-                      for n in names],
-                     [table[n]["images_per_second"]["max"] - table[n]["images_per_second"]["median"]
-                      for n in names]], capsize=3)
+    figures = [("images_per_second", "steady epochs")]
+    if all(table[n].get("fit_call_images_per_second") for n in names):
+        figures.append(("fit_call_images_per_second", "whole fit calls"))
+    width = 0.8 / len(figures)
+    for i, (figure_name, label) in enumerate(figures):
+        spreads = [table[n][figure_name] for n in names]
+        bar_ax.bar([j + (i - (len(figures) - 1) / 2) * width for j in range(len(names))],
+                   [s["median"] for s in spreads], width,
+                   yerr=[[s["median"] - s["min"] for s in spreads],
+                         [s["max"] - s["median"] for s in spreads]], capsize=3, label=label)
+    bar_ax.set_xticks(range(len(names)), names, rotation=45)
     bar_ax.set_ylabel("images/s (median, min-max)")
-    bar_ax.tick_params(axis="x", rotation=45)
+    if len(figures) > 1:
+        bar_ax.legend(fontsize=8)
     virtual = " (virtual CPU devices)" if results["virtual_cpu_devices"] else ""
     figure.suptitle(f"{results['spec']['model']} on {results['machine']['cpu']}{virtual}")
     _save(figure, os.path.join(output, "bench.png"))

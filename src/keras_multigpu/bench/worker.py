@@ -4,6 +4,14 @@ Run by the harness as `python -m keras_multigpu.bench.worker SPEC_JSON`; prints
 one JSON line. The environment (backend, device count) is set by the parent
 before this process starts, because both are fixed when the framework starts;
 nothing else imports this module.
+
+Two views of the same training are measured. *Steady epochs*: one `fit` of
+1 + `epochs` epochs, the first (compiling) epoch left out. *Fit calls*: after
+that `fit` (the warm-up), `fit_calls` complete `fit` calls of `fit_epochs`
+epochs each, timed whole, as a user who calls `fit` repeatedly (or a harness
+that times `fit`) sees them. What a call costs beyond its epochs is the
+per-call work of the engine: data placement, state placement, building the
+iterator, anything compiled anew.
 """
 
 import contextlib
@@ -63,6 +71,72 @@ def compiled_step_seconds(model, x, y, repeats):
     return (time.perf_counter() - start) / repeats
 
 
+class CompileCounter:
+    """Counts XLA compilations (JAX's backend-compile events) while it is on.
+
+    JAX emits one `/jax/core/compile/backend_compile_duration` event per
+    program compiled; a fit call of a warm model should emit none.
+    """
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self):
+        from jax import monitoring
+
+        self.count, self.seconds, self.on = 0, 0.0, False
+        monitoring.register_event_duration_secs_listener(self._listen)
+
+    def _listen(self, event, duration, **_):
+        if self.on and event == self.EVENT:
+            self.count += 1
+            self.seconds += duration
+
+    @contextlib.contextmanager
+    def counting(self):
+        self.count, self.seconds, self.on = 0, 0.0, True
+        try:
+            yield self
+        finally:
+            self.on = False
+
+
+def time_fit_calls(model, x, y, batch, samples, calls, epochs, compiles=None):
+    """Times `calls` complete `model.fit` calls of `epochs` epochs each.
+
+    Returns one record per call: its wall seconds, the seconds inside its
+    epochs (`EpochStats`, so what the call costs outside them is the
+    difference) and the programs compiled during it (None when not counted).
+    """
+    records = []
+    for _ in range(calls):
+        stats = EpochStats(samples)
+        scope = compiles.counting() if compiles is not None else contextlib.nullcontext()
+        with scope:
+            start = time.perf_counter()
+            history = model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0,
+                                callbacks=[stats])
+            seconds = time.perf_counter() - start
+        records.append({"seconds": seconds, "epoch_seconds": sum(history.history["seconds"]),
+                        "compiles": None if compiles is None else compiles.count})
+    return records
+
+
+def fit_call_figures(calls, samples, epochs):
+    """The per-call figures of `time_fit_calls` records (medians over calls)."""
+    if not calls:
+        return {"fit_call_ms": None, "fit_call_images_per_second": None,
+                "fit_call_outside_epochs_ms": None, "fit_call_compiles": None}
+    seconds = statistics.median(c["seconds"] for c in calls)
+    counted = [c["compiles"] for c in calls if c["compiles"] is not None]
+    return {
+        "fit_call_ms": 1000 * seconds,
+        "fit_call_images_per_second": samples * epochs / seconds,
+        "fit_call_outside_epochs_ms": 1000 * statistics.median(
+            c["seconds"] - c["epoch_seconds"] for c in calls),
+        "fit_call_compiles": max(counted) if counted else None,
+    }
+
+
 def measure(spec):
     from keras_multigpu.bench import setups
 
@@ -77,10 +151,16 @@ def measure(spec):
     rng = np.random.default_rng(0)
     x = rng.uniform(0, 255, (samples, 32, 32, 3)).astype("float32")
     y = keras.utils.to_categorical(rng.integers(0, 10, samples), 10)
+    fit_calls, fit_epochs = spec.get("fit_calls", 0), spec.get("fit_epochs", 1)
+    compiles = CompileCounter() if setup.backend == "jax" else None
+
     def fit(model):
         history = model.fit(x, y, batch_size=batch, epochs=1 + spec["epochs"], shuffle=False,
                             verbose=0, callbacks=[EpochStats(samples)])
         fit.seconds = history.history["seconds"]
+        # After the fit above (the warm-up), and before the compiled step below,
+        # which consumes the model's state.
+        fit.calls = time_fit_calls(model, x, y, batch, samples, fit_calls, fit_epochs, compiles)
         if setup.backend == "jax":
             fit.step = compiled_step_seconds(model, x[:batch], y[:batch], spec["step_repeats"])
         fit.params = model.count_params()
@@ -98,6 +178,8 @@ def measure(spec):
         "compiled_step_ms": None if fit.step is None else 1000 * fit.step,
         "outside_step_ms": None if fit.step is None else 1000 * (wall_step - fit.step),
         "compile_seconds": fit.seconds[0] - steady,
+        "fit_calls": fit.calls,
+        **fit_call_figures(fit.calls, samples, fit_epochs),
         "peak_host_memory_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "parameters": int(fit.params),
     }
