@@ -1,8 +1,11 @@
 """Tests for keras_multigpu.data.cifar10 (no network; real subset read in place)."""
 
+import codecs
 import os
 import pickle
 import shutil
+import struct
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -163,8 +166,10 @@ def test_bad_argument_is_not_skipped(tmp_path, monkeypatch):
 def test_incomplete_folder_names_missing_file(tmp_path):
     folder = _fake_folder(tmp_path)
     (folder / "test_batch").unlink()
-    with pytest.raises(FileNotFoundError, match="test_batch"):
+    with pytest.raises(FileNotFoundError, match="missing test_batch") as info:
         load_cifar10(folder, download=False)
+    msg = str(info.value)
+    assert str(folder) in msg and "--data-dir" in msg and "KERAS_MULTIGPU_DATA" in msg
     with pytest.raises(FileNotFoundError, match="test_batch"):
         read_batch(folder / "test_batch")
 
@@ -237,9 +242,12 @@ def test_disallowed_global_does_not_execute(tmp_path):
 
 def test_str_keys_and_protocols(tmp_path):
     batch = {k.decode(): v for k, v in _fake_batch(6).items()}
-    for protocol in (2, 4, 5):
+    batch["batch_label"] = b""  # protocol 2 stores b"" as a call to bytes()
+    for protocol in (0, 1, 2, 3, 4, 5):
         x, y = read_batch(_write_batch(tmp_path / f"b{protocol}", batch, protocol))
         assert x.shape == (6, 32, 32, 3) and y.dtype == np.int32
+        assert list(y) == batch["labels"]
+        np.testing.assert_array_equal(x[2, :, :, 1].ravel(), batch["data"][2, 1024:2048])
 
 
 @pytest.mark.parametrize(
@@ -282,3 +290,288 @@ def test_int_data_in_range_is_accepted(tmp_path):
     batch[b"data"] = batch[b"data"].astype(np.int64)
     x, _ = read_batch(_write_batch(tmp_path / "data_batch_1", batch))
     assert x.dtype == np.uint8
+
+
+# --- damaged and lying files: checked before anything large is allocated ---
+
+N_LIE = 100_000  # images a lying file declares: 307 MB of pixels if it were believed
+MAX_PEAK = 32 * 2**20  # bytes read_batch may allocate while refusing a lying file
+
+
+class _Reduce:
+    """Pickles as ``func(*args)``, then ``BUILD`` with ``state``: what a hand-made file holds."""
+
+    def __init__(self, func, args, state=None):
+        self.func, self.args, self.state = func, args, state
+
+    def __reduce__(self):
+        return (self.func, self.args) if self.state is None else (self.func, self.args, self.state)
+
+
+def _np_global(module, name):
+    for prefix in ("numpy._core", "numpy.core"):
+        try:
+            return getattr(__import__(f"{prefix}.{module}", fromlist=[name]), name)
+        except ImportError:
+            continue
+    raise ImportError(name)
+
+
+_reconstruct = _np_global("multiarray", "_reconstruct")
+_frombuffer = _np_global("numeric", "_frombuffer")
+U1 = np.dtype("u1")
+
+
+def _read_refused(path, match):
+    """Runs read_batch(path), expecting a ValueError; returns (message, peak traced bytes)."""
+    started = not tracemalloc.is_tracing()
+    if started:
+        tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        before = tracemalloc.get_traced_memory()[0]
+        with pytest.raises(ValueError, match=match) as info:
+            read_batch(path)
+        peak = tracemalloc.get_traced_memory()[1] - before
+    finally:
+        if started:
+            tracemalloc.stop()
+    msg = str(info.value)
+    assert str(path) in msg, msg
+    assert "--data-dir" in msg and "KERAS_MULTIGPU_DATA" in msg, msg
+    return msg, peak
+
+
+def _lying_batches():
+    """Small files whose pickle declares N_LIE images without holding their bytes."""
+    n, pixels = N_LIE, (N_LIE, 3072)
+    zeros = b"\0" * 3072
+    return {
+        # numpy.ndarray(shape, dtype): uninitialised (all-zero) arrays from ~240 bytes
+        "ndarray_call": (
+            {
+                b"data": _Reduce(np.ndarray, (pixels, U1)),
+                b"labels": _Reduce(np.ndarray, ((n,), np.dtype("i8"))),
+            },
+            r"numpy\.ndarray with shape \(100000, 3072\)",
+        ),
+        # numpy.ndarray(shape, dtype, buffer, offset, strides): 1 byte broadcast to 307 MB
+        "zero_strides": (
+            {
+                b"data": _Reduce(np.ndarray, (pixels, U1, b"\0", 0, (0, 0))),
+                b"labels": _Reduce(np.ndarray, ((n,), np.dtype("i8"), b"\0" * 8, 0, (0,))),
+            },
+            r"numpy\.ndarray with shape \(100000, 3072\)",
+        ),
+        # the normal array pickle, but its state declares more than its bytes
+        "reconstruct_state": (
+            {
+                b"data": _Reduce(
+                    _reconstruct, (np.ndarray, (0,), b"b"), (1, pixels, U1, False, zeros)
+                ),
+                b"labels": [0],
+            },
+            r"declares shape \(100000, 3072\) of uint8 \(307,200,000 bytes\) but holds 3,072",
+        ),
+        # the protocol-5 array pickle with the same lie
+        "frombuffer": (
+            {b"data": _Reduce(_frombuffer, (zeros, U1, pixels, "C")), b"labels": [0]},
+            r"declares shape \(100000, 3072\) of uint8 \(307,200,000 bytes\) but holds 3,072",
+        ),
+    }
+
+
+@pytest.mark.parametrize("kind", sorted(_lying_batches()))
+def test_tiny_file_declaring_many_images(tmp_path, kind):
+    batch, match = _lying_batches()[kind]
+    path = _write_batch(tmp_path / "data_batch_1", batch)
+    assert path.stat().st_size < 4000  # a few bytes pretending to be 100,000 images
+    msg, peak = _read_refused(path, match)
+    assert "refused to unpickle" in msg
+    assert peak < MAX_PEAK, f"allocated {peak / 2**20:.0f} MiB while refusing {kind}"
+
+
+def test_tiny_file_with_probe_payload_through_load_cifar10(tmp_path):
+    folder = _fake_folder(tmp_path)
+    batch, _ = _lying_batches()["ndarray_call"]
+    _write_batch(folder / "data_batch_1", batch)
+    with pytest.raises(ValueError, match="data_batch_1.*numpy.ndarray") as info:
+        load_cifar10(folder, download=False)
+    assert str(folder / "data_batch_1") in str(info.value)
+
+
+def _raw_pickle(*chunks):
+    return b"\x80\x02" + b"".join(chunks) + b"."
+
+
+@pytest.mark.parametrize(
+    "raw, match",
+    [
+        # BINBYTES8 declaring 2 GiB: CPython allocates the declared size before reading
+        (_raw_pickle(b"\x8e" + struct.pack("<Q", 2**31) + b"abc"), "expected 2147483648 bytes"),
+        # LONG_BINPUT at index 2**23: CPython grows (and zeroes) its memo table to fit
+        (_raw_pickle(b"}r" + struct.pack("<I", 2**23)), "memo index 8,388,608"),
+        # BINSTRING declaring 300 MB of pixels in a 20-byte file
+        (_raw_pickle(b"T" + struct.pack("<i", 300_000_000) + b"\0" * 8), "expected 300000000"),
+    ],
+    ids=["bytes8_length", "memo_index", "string4_length"],
+)
+def test_lying_lengths_refused_before_allocating(tmp_path, raw, match):
+    path = tmp_path / "data_batch_2"
+    path.write_bytes(raw)
+    _, peak = _read_refused(path, match)
+    assert peak < MAX_PEAK, f"allocated {peak / 2**20:.0f} MiB for a {len(raw)}-byte file"
+
+
+def test_nested_labels_are_not_expanded(tmp_path):
+    """n entries sharing one k x k list: 2k opcodes that NumPy would expand to n*k*k ints."""
+    n, k = 16, 800
+    row = [0] * k
+    batch = _fake_batch(n)
+    batch[b"labels"] = [[row] * k] * n
+    path = _write_batch(tmp_path / "data_batch_1", batch)
+    assert path.stat().st_size < n * 3072 + 40 * k  # ~80 kB for 10 million labels
+    _, peak = _read_refused(path, "flat list of ints, found list at index 0")
+    assert peak < MAX_PEAK, f"allocated {peak / 2**20:.0f} MiB expanding nested labels"
+
+
+def test_codec_chain_refused(tmp_path):
+    """Each hex encode doubles its input; a chain in a tiny file would be a bomb."""
+    label = b"ab"
+    for _ in range(16):
+        label = _Reduce(codecs.encode, (label, "hex"))
+    batch = _fake_batch(2)
+    batch[b"batch_label"] = label
+    path = _write_batch(tmp_path / "data_batch_1", batch)
+    _read_refused(path, r"disallowed codec call _codecs\.encode\(\.\.\., 'hex'\)")
+
+
+def test_object_and_structured_dtypes_refused(tmp_path):
+    state = (1, (3,), np.dtype("O"), False, [1, 2, 3])
+    batch = _fake_batch(3)
+    batch[b"labels"] = _Reduce(_reconstruct, (np.ndarray, (0,), b"b"), state)
+    path = _write_batch(tmp_path / "data_batch_1", batch)
+    _read_refused(path, "disallowed array element type 'O8'")
+    batch = _fake_batch(3)
+    batch[b"data"] = np.zeros(3, dtype=[("pixels", "u1", (3072,))])
+    path = _write_batch(tmp_path / "data_batch_2", batch)
+    _read_refused(path, "disallowed")
+
+
+@pytest.mark.parametrize("cut", [0.02, 0.5, 0.999])
+def test_truncated_fake_batch(tmp_path, cut):
+    path = _write_batch(tmp_path / "data_batch_4", _fake_batch(8))
+    raw = path.read_bytes()
+    path.write_bytes(raw[: int(len(raw) * cut)])
+    msg, _ = _read_refused(path, "truncated or corrupted")
+    assert "Traceback" not in msg
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"\x1f\x8b\x08\x00" + bytes(range(256)) * 20,  # the .tar.gz instead of its contents
+        b"# CIFAR-10\n" * 500,  # a text file
+        b"\x89PNG\r\n\x1a\n" + b"\0" * 5000,  # an image
+        pickle.dumps({b"data": "x"}, protocol=2)[:-1],  # no STOP
+    ],
+    ids=["gzip", "text", "png", "no_stop"],
+)
+def test_non_pickle_file(tmp_path, content):
+    path = tmp_path / "test_batch"
+    path.write_bytes(content)
+    _read_refused(path, "truncated or corrupted")
+
+
+def test_zero_images_file_and_folder(tmp_path):
+    path = _write_batch(tmp_path / "data_batch_1", _fake_batch(0))
+    msg, _ = _read_refused(path, r"holds 0 images \('data' has shape \(0, 3072\)\)")
+    folder = _fake_folder(tmp_path / "empty", n=0)
+    with pytest.raises(ValueError, match="holds 0 images") as info:
+        load_cifar10(folder, download=False)
+    msg = str(info.value)
+    assert str(folder / "data_batch_1") in msg and "--data-dir" in msg
+    path = _write_batch(tmp_path / "data_batch_2", {b"data": b"", b"labels": []})
+    _read_refused(path, r"holds 0 images")
+
+
+def test_folder_without_batches_names_it(tmp_path):
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    (folder / "batches.meta").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="no CIFAR-10 batch files") as info:
+        load_cifar10(folder, download=False)
+    msg = str(info.value)
+    assert str(folder) in msg and "--data-dir" in msg and "KERAS_MULTIGPU_DATA" in msg
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({b"data": np.zeros(4 * 3072, np.uint8)}, r"must be an \(n, 3072\).*got shape \(12288,\)"),
+        ({b"data": np.zeros((3072, 4), np.uint8)}, r"got shape \(3072, 4\)"),
+        ({b"data": b"\0" * (4 * 3072 - 1)}, "12,287 bytes, which is not a whole number"),
+        ({b"data": np.zeros((4, 3072), bool)}, "uint8"),
+        ({b"labels": np.arange(5)}, "5 labels for 4 images"),
+        ({b"labels": np.zeros((4, 1), np.int64)}, "flat list of ints"),
+        ({b"labels": np.array([0.0, 1, 2, 3])}, "flat list of ints"),
+        ({b"labels": np.array([0, 1, 2, 12])}, r"0\.\.9, found 0\.\.12"),
+        ({b"labels": [0, 1, True, 3]}, "found bool at index 2"),
+        ({b"labels": [0, 1, 2, 2**200]}, r"0\.\.9, found 0\.\.huge"),
+        ({b"labels": "0123"}, "must be a list of ints, got str"),
+        ({b"labels": list(range(10)) * 4}, "40 labels for 4 images"),
+    ],
+)
+def test_more_bad_contents(tmp_path, change, message):
+    batch = _fake_batch(4)
+    batch.update(change)
+    path = _write_batch(tmp_path / "data_batch_1", batch)
+    _read_refused(path, message)
+
+
+def test_good_variants_accepted(tmp_path):
+    batch = _fake_batch(5)
+    want_x, _ = read_batch(_write_batch(tmp_path / "plain", batch))
+    variants = {
+        "bytes": {b"data": batch[b"data"].tobytes()},
+        "fortran": {b"data": np.asfortranarray(batch[b"data"])},
+        "big_endian_labels": {b"labels": np.array(batch[b"labels"], ">i8")},
+        "tuple_labels": {b"labels": tuple(batch[b"labels"])},
+    }
+    for name, change in variants.items():
+        x, y = read_batch(_write_batch(tmp_path / name, {**batch, **change}))
+        np.testing.assert_array_equal(x, want_x)
+        assert list(y) == batch[b"labels"] and y.dtype == np.int32
+
+
+def test_oversized_file_refused_unread(tmp_path, monkeypatch):
+    path = _write_batch(tmp_path / "data_batch_5", _fake_batch(4))
+    monkeypatch.setattr(cifar10, "_MAX_FILE_BYTES", 10_000)
+    _read_refused(path, "far larger than a CIFAR-10 batch")
+
+
+def test_opcode_flood_refused(tmp_path):
+    batch = _fake_batch(1)
+    batch[b"batch_label"] = [0] * 20_000  # 40 kB of 2-byte opcodes
+    path = _write_batch(tmp_path / "data_batch_1", batch)
+    _read_refused(path, "pickle opcodes")
+
+
+@pytest.mark.parametrize(
+    "module, name",
+    sorted(cifar10._ALLOWED_GLOBALS),
+    ids=[".".join(k) for k in sorted(cifar10._ALLOWED_GLOBALS)],
+)
+def test_allowed_globals_cannot_be_modified(tmp_path, module, name):
+    """BUILD on a global (state (None, {attr: value})) must not alter the next read."""
+    attr = b"__setstate__"
+    raw = _raw_pickle(
+        f"c{module}\n{name}\n".encode(),
+        b"N}X" + struct.pack("<I", len(attr)) + attr + b"c__builtin__\nbytes\n" + b"s\x86b",
+    )
+    path = tmp_path / "data_batch_1"
+    path.write_bytes(raw)
+    _read_refused(path, "refused to unpickle it: the file tries to modify")
+    good = _fake_batch(3, seed=7)
+    x, y = read_batch(_write_batch(tmp_path / "good", good))
+    assert x.shape == (3, 32, 32, 3) and list(y) == good[b"labels"]
