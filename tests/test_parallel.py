@@ -371,3 +371,31 @@ def test_large_arrays_stay_on_the_host_with_the_same_results(dense_model, monkey
     history = host.fit(x, y, batch_size=7, epochs=2, shuffle=False, verbose=0)
     assert_history_close(expected, history)
     assert_weights_close(resident.get_weights(), host.get_weights())
+
+
+def _collectives(hlo):
+    import re
+
+    ops = ("all-gather", "all-reduce", "collective-permute", "all-to-all", "reduce-scatter")
+    return {op: len(re.findall(rf"\b{op}(-start)?\(", hlo)) for op in ops}
+
+
+def test_a_padded_step_compiles_to_the_same_collectives(conv_bn_model):
+    """Slicing the real rows out inside the step keeps each device's rows where they are:
+    XLA adds no gather or shuffle of the batch, only the gradient all-reduces it always has."""
+    import jax
+    from keras.src.backend.jax.trainer import _distribute_data
+
+    x, y = classification_data(12, features=(8, 8, 3))
+    parallel = compile_sgd(kmg.multi_gpu_model(conv_bn_model(), gpus=4))
+    parallel.fit(x, y, batch_size=12, epochs=1, verbose=0)
+    found = {}
+    with parallel._placed():
+        state = parallel._get_jax_state(trainable_variables=True, non_trainable_variables=True,
+                                        optimizer_variables=True, metrics_variables=True)
+        for rows in (12, 11):  # 11 rows travel padded to 12
+            data = _distribute_data(parallel._pad_one(x[:rows], y[:rows]))
+            hlo = jax.jit(parallel.train_step).lower(state, data).compile().as_text()
+            found[rows] = _collectives(hlo)
+    assert found[11] == found[12]
+    assert found[12]["all-reduce"] > 0 and found[12]["all-gather"] == 0
