@@ -151,3 +151,25 @@ def test_jax_process_rank():
     jax_backend = importlib.import_module("keras_multigpu.backends.jax")
     assert jax_backend.process_index() == 0
     assert jax_backend.process_count() == 1
+
+
+def test_virtual_devices_raise_the_collective_timeouts_the_jaxlib_has():
+    from keras_multigpu import _xla
+
+    flags = _xla.virtual_device_flags(2, "--xla_cpu_collective_timeout_seconds=5 --foo=1")
+    assert "--xla_force_host_platform_device_count=2" in flags.split()
+    assert "--xla_cpu_collective_timeout_seconds=5" in flags.split()  # the user's value stays
+    assert "--xla_cpu_collective_timeout_seconds=3600" not in flags
+    assert "--foo=1" in flags.split()
+    if _xla.knows("--xla_cpu_collective_call_terminate_timeout_seconds"):
+        assert "--xla_cpu_collective_call_terminate_timeout_seconds=3600" in flags.split()
+    one = _xla.virtual_device_flags(1, "")
+    assert one == "--xla_force_host_platform_device_count=1"  # one device: no collectives
+
+
+def test_a_flag_the_jaxlib_lacks_is_never_added(monkeypatch):
+    from keras_multigpu import _xla
+
+    monkeypatch.setitem(_xla.CPU_COLLECTIVE_TIMEOUTS, "--xla_no_such_flag_in_any_jaxlib", 1)
+    assert not _xla.knows("--xla_no_such_flag_in_any_jaxlib")
+    assert "no_such_flag" not in _xla.virtual_device_flags(2, "")

@@ -25,18 +25,19 @@ import numpy as np
 from jax._src import xla_bridge
 from keras import tree
 
+from keras_multigpu import _xla
 from keras_multigpu.devices import Device
 
 logger = logging.getLogger(__name__)
-
-_CPU_FLAG = "--xla_force_host_platform_device_count"
-
 
 def configure_cpu_devices(count):
     """Asks XLA for `count` host (CPU) devices, if JAX has not started yet.
 
     XLA reads `XLA_FLAGS` once, when its first backend starts; after that the
-    device count is fixed for the life of the process.
+    device count is fixed for the life of the process. With more than one
+    device, XLA's CPU collective timeouts are raised too (where the installed
+    jaxlib has them, and unless `XLA_FLAGS` sets them already), so that a
+    starved device thread slows a step down instead of aborting the process.
     """
     if xla_bridge.backends_are_initialized():
         have = len(jax.devices("cpu"))
@@ -49,10 +50,7 @@ def configure_cpu_devices(count):
                 stacklevel=3,
             )
         return have == count
-    flags = [
-        f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(_CPU_FLAG)
-    ]
-    os.environ["XLA_FLAGS"] = " ".join([*flags, f"{_CPU_FLAG}={count}"])
+    os.environ["XLA_FLAGS"] = _xla.virtual_device_flags(count, os.environ.get("XLA_FLAGS", ""))
     return True
 
 

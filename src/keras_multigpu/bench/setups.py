@@ -7,7 +7,9 @@ and returns a fitted Keras model: adding a configuration is a few lines here.
 
 import dataclasses
 
-XLA_DEVICE_FLAG = "--xla_force_host_platform_device_count"
+from keras_multigpu import _xla
+
+XLA_DEVICE_FLAG = _xla.DEVICE_COUNT_FLAG
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,9 +52,9 @@ class Setup:
         env = {k: v for k, v in base.items() if not k.startswith("KERAS_MULTIGPU_")}
         env["KERAS_BACKEND"] = self.backend
         flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(XLA_DEVICE_FLAG)]
-        if virtual and self.backend == "jax":
-            flags.append(f"{XLA_DEVICE_FLAG}={self.worker.devices}")
         env["XLA_FLAGS"] = " ".join(flags)
+        if virtual and self.backend == "jax":  # every JAX setup gets the same flags as ours
+            env["XLA_FLAGS"] = _xla.virtual_device_flags(self.worker.devices, env["XLA_FLAGS"])
         if self.processes > 1 and not virtual:  # one GPU for each process, of those visible
             visible = [d for d in base.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
             if visible and len(visible) < self.processes:
