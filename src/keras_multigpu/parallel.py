@@ -18,14 +18,15 @@ user's model.
 import collections.abc
 import contextlib
 import os
+import zipfile
 
 import keras
 from keras import tree
 from keras.src.utils import io_utils
 
-from keras_multigpu import backends, batching
+from keras_multigpu import backends, batching, interrupt
 from keras_multigpu import devices as devices_lib
-from keras_multigpu._io import atomic_path
+from keras_multigpu._io import atomic_path, unreadable
 
 
 def multi_gpu_model(model, gpus=None):
@@ -259,6 +260,7 @@ class ParallelModel(keras.Model):
         # Arrays with shuffle=False draw nothing: no generator state to keep.
         draws = shuffle is not False or not batching._is_array_like(x)
         rng = batching.RandomState() if draws else None
+        _check_targets(self.template, x, y, "fit", "train_step")
         data, _ = self._padded(
             x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
             class_weight=class_weight, drop_remainder=drop_remainder, rng=rng,
@@ -268,14 +270,25 @@ class ParallelModel(keras.Model):
                 *keras.utils.unpack_x_y_sample_weight(validation_data),
                 batch_size=validation_batch_size or batch_size,
             )
+        # Keras's own list, built here so that an interruption can end it.
+        callbacks = interrupt.with_stop(callbacks)
+        if not isinstance(callbacks, keras.callbacks.CallbackList):
+            callbacks = keras.callbacks.CallbackList(
+                callbacks, add_history=True, add_progbar=verbose != 0, verbose=verbose,
+                epochs=epochs, steps=steps_per_epoch or getattr(data, "num_batches", None),
+                model=self,
+            )
         try:
-            with self._placed():
+            with interrupt.deferred(), self._placed():
                 return super().fit(
                     data, epochs=epochs, verbose=verbose, callbacks=callbacks,
                     validation_data=validation_data, shuffle=False,
                     initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
                     validation_steps=validation_steps, validation_freq=validation_freq,
                 )
+        except interrupt.Interrupted:
+            interrupt.end_training(callbacks)
+            raise
         finally:
             if rng is not None:
                 rng.commit()
@@ -284,10 +297,11 @@ class ParallelModel(keras.Model):
                  sample_weight=None, steps=None, callbacks=None,
                  return_dict=False, **kwargs):
         self._sync_compile()
+        _check_targets(self.template, x, y, "evaluate", "test_step")
         data, _ = self._padded(x, y, sample_weight, batch_size=batch_size)
-        with self._placed():
+        with interrupt.deferred(), self._placed():
             return super().evaluate(
-                data, verbose=verbose, steps=steps, callbacks=callbacks,
+                data, verbose=verbose, steps=steps, callbacks=interrupt.with_stop(callbacks),
                 return_dict=return_dict, **kwargs,
             )
 
@@ -295,8 +309,9 @@ class ParallelModel(keras.Model):
         """Keras's `predict`: exactly one output row per input row, in order."""
         self._sync_compile()
         data, _ = self._padded(x, batch_size=batch_size)
-        with self._placed():
-            return super().predict(data, verbose=verbose, steps=steps, callbacks=callbacks)
+        with interrupt.deferred(), self._placed():
+            return super().predict(data, verbose=verbose, steps=steps,
+                                   callbacks=interrupt.with_stop(callbacks))
 
     def _pad_one(self, x, y=None, sample_weight=None, class_weight=None):
         """One batch as the positional `x, y, sample_weight` of Keras's `*_on_batch`."""
@@ -341,7 +356,13 @@ class ParallelModel(keras.Model):
             self.template.save_weights(tmp, **kwargs)
 
     def load_weights(self, filepath, **kwargs):
-        self.template.load_weights(filepath, **kwargs)
+        """Loads weights into the template; a damaged file is named in the error."""
+        try:
+            self.template.load_weights(filepath, **kwargs)
+        except (OSError, zipfile.BadZipFile) as error:
+            if not os.path.isfile(filepath):
+                raise
+            raise unreadable(os.fspath(filepath), error) from error
 
     def summary(self, *args, print_fn=None, **kwargs):
         """The template's summary, after a line naming the devices."""
@@ -394,6 +415,25 @@ def _checked_step_result(template, step, result, stateless):
 def _describe(value):
     text = repr(value)
     return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _check_targets(template, x, y, method, step):
+    """Array inputs without targets, for a compiled loss that needs them, are refused early.
+
+    One device fails too, deep inside JAX ("None is not a valid value"). A model with
+    its own step, or without a compiled loss, may well need no targets.
+    """
+    if y is not None or x is None or not batching._is_array_like(x):
+        return
+    if getattr(template, "_compile_loss", None) is None:
+        return
+    if getattr(type(template), step) is not getattr(keras.Model, step):
+        return
+    raise ValueError(
+        f"{method} received inputs but no targets (y=None), and the model's compiled loss "
+        f"compares predictions with targets. Pass y=..., or, for a model that computes "
+        "its own loss (in its train_step or with add_loss), compile it without a loss."
+    )
 
 
 def _check_gradient_accumulation(optimizer):

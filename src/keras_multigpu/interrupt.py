@@ -1,0 +1,115 @@
+"""Ctrl-C during `fit`, `evaluate` and `predict`: stop at a step boundary, or at once.
+
+Python raises `KeyboardInterrupt` wherever the main thread happens to be when
+the signal lands: inside a device wait, inside a half-written file, or inside
+Keras's per-batch log conversion, whose bare `except` swallows it (so a
+plain Keras `fit` often keeps running). Here the first Ctrl-C only asks for a
+stop: the next step boundary raises `Interrupted` (a `KeyboardInterrupt`) from
+the loop itself, after the step in flight and its callbacks have finished,
+so no save is cut short. A second Ctrl-C ends the process at once, with
+SIGINT's own exit status, whatever the main thread is doing.
+"""
+
+import contextlib
+import signal
+import sys
+import threading
+
+import keras
+
+
+class Interrupted(KeyboardInterrupt):
+    """Raised at the step boundary after a Ctrl-C (a `KeyboardInterrupt`)."""
+
+
+class _State:
+    requested = False
+    depth = 0
+
+
+_STATE = _State()
+
+
+def _handler(signum, frame):
+    if _STATE.requested:  # the second Ctrl-C: exit now, as an unhandled SIGINT does
+        sys.stderr.write("\nSecond Ctrl-C: exiting now.\n")
+        sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGINT)
+        return
+    _STATE.requested = True
+    sys.stderr.write(
+        "\nCtrl-C: stopping after the current step (press Ctrl-C again to exit at once).\n"
+    )
+    sys.stderr.flush()
+
+
+@contextlib.contextmanager
+def deferred():
+    """Defers SIGINT to the next step boundary while the block runs.
+
+    Nests (a validation `evaluate` inside `fit` shares the outer handler).
+    Outside the main thread, where no signal handler can be set, it does
+    nothing and Ctrl-C behaves as Python's default.
+    """
+    if _STATE.depth or threading.current_thread() is not threading.main_thread():
+        _STATE.depth += 1
+        try:
+            yield
+        finally:
+            _STATE.depth -= 1
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if previous in (signal.SIG_IGN, None):
+        yield  # SIGINT is ignored (a background job) or handled outside Python
+        return
+    _STATE.requested, _STATE.depth = False, 1
+    signal.signal(signal.SIGINT, _handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        _STATE.depth = 0
+        _STATE.requested = False
+
+
+class StopOnInterrupt(keras.callbacks.Callback):
+    """Raises `Interrupted` at the first boundary after a Ctrl-C.
+
+    Checked before each step (and each epoch), in the thread that runs the
+    loop, so the exception leaves Keras's loop through its own `finally`,
+    which writes the trained weights back to the model.
+    """
+
+    async_safe = True
+
+    def _check(self, *args, **kwargs):
+        if _STATE.requested:
+            raise Interrupted("Stopped by Ctrl-C at a step boundary.")
+
+    on_epoch_begin = on_train_batch_begin = on_test_batch_begin = _check
+    on_predict_batch_begin = _check
+
+
+def end_training(callback_list, logs=None):
+    """Runs the end-of-training hooks after an interruption.
+
+    Every callback's `on_train_end` runs, except `BackupAndRestore`'s: it
+    deletes its backup when training *finished*, and an interrupted run must
+    keep it so that the next `fit` resumes, as after a crash.
+    """
+    for callback in callback_list.callbacks:
+        if isinstance(callback, keras.callbacks.BackupAndRestore):
+            continue
+        callback.on_train_end(logs or {})
+
+
+def with_stop(callbacks):
+    """`callbacks` (None, a list or a `CallbackList`) with a `StopOnInterrupt` added."""
+    stop = StopOnInterrupt()
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        if not any(isinstance(c, StopOnInterrupt) for c in callbacks.callbacks):
+            callbacks.callbacks.append(stop)
+        return callbacks
+    callbacks = list(callbacks or [])
+    return [*callbacks, stop]

@@ -1,0 +1,154 @@
+"""Faults, each real: a SIGINT sent to a training process, a CPU hog beside a 2-device fit."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+TRAIN = textwrap.dedent(
+    r"""
+    import os, sys, time
+    os.environ["KERAS_BACKEND"] = "jax"
+    os.environ["KERAS_MULTIGPU_CPU_DEVICES"] = "2"
+    import keras, numpy as np
+    import keras_multigpu as kmg
+
+    workdir = sys.argv[1]
+    keras.utils.set_random_seed(0)
+    x = np.random.default_rng(0).normal(size=(64, 8)).astype("float32")
+    y = (x[:, :1] > 0).astype("float32")
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dense(1, activation="sigmoid")])
+    parallel = kmg.multi_gpu_model(model, gpus=2)
+    parallel.compile(optimizer="sgd", loss="binary_crossentropy")
+
+    class Slow(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            time.sleep(0.05)  # slow steps: the signal lands mid-epoch
+
+        def on_epoch_end(self, epoch, logs=None):
+            open(os.path.join(workdir, f"epoch-{epoch}"), "w").close()
+
+    ended = []
+    class Ends(keras.callbacks.Callback):
+        def on_train_end(self, logs=None):
+            ended.append(True)
+
+    callbacks = [
+        Slow(), Ends(),
+        keras.callbacks.ModelCheckpoint(os.path.join(workdir, "last.keras")),
+        keras.callbacks.BackupAndRestore(os.path.join(workdir, "backup")),
+    ]
+    try:
+        parallel.fit(x, y, batch_size=5, epochs=1000, verbose=0, callbacks=callbacks)
+    except KeyboardInterrupt as error:
+        print("INTERRUPTED", type(error).__name__, "ended" if ended else "not-ended",
+              flush=True)
+        sys.exit(3)
+    print("FINISHED", flush=True)
+    """
+)
+
+
+def _start(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
+    return subprocess.Popen(
+        [sys.executable, "-c", TRAIN, str(tmp_path)], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, env=env,
+    )
+
+
+def _wait_for(path, process, timeout=120):
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if process.poll() is not None:
+            pytest.fail(f"training exited early: {process.communicate()[1][-3000:]}")
+        if time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"{path} never appeared")
+        time.sleep(0.1)
+
+
+def test_first_ctrl_c_stops_at_a_step_boundary_and_keeps_the_files(tmp_path):
+    process = _start(tmp_path)
+    _wait_for(tmp_path / "epoch-1", process)
+    time.sleep(0.3)  # mid-epoch
+    process.send_signal(signal.SIGINT)
+    try:
+        out, err = process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        pytest.fail("a Ctrl-C did not stop fit within 60 s")
+    assert process.returncode == 3, err[-3000:]
+    assert "INTERRUPTED Interrupted ended" in out
+    assert "stopping after the current step" in err
+    # The checkpoint of the last completed epoch is whole, and the backup is kept so that the
+    # next fit resumes (BackupAndRestore deletes it only when training finishes).
+    check = subprocess.run(
+        [sys.executable, "-c", "import sys, keras; keras.saving.load_model(sys.argv[1]); "
+         "print('LOADED')", str(tmp_path / "last.keras")],
+        capture_output=True, text=True, env={**os.environ, "KERAS_BACKEND": "jax"}, timeout=120,
+    )
+    assert "LOADED" in check.stdout, check.stderr[-2000:]
+    assert os.listdir(tmp_path / "backup")
+    assert not [name for name in os.listdir(tmp_path) if name.startswith(".tmp-")]
+
+
+def test_second_ctrl_c_exits_at_once(tmp_path):
+    process = _start(tmp_path)
+    _wait_for(tmp_path / "epoch-0", process)
+    process.send_signal(signal.SIGINT)
+    time.sleep(0.02)
+    process.send_signal(signal.SIGINT)
+    try:
+        _, err = process.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        pytest.fail("a second Ctrl-C did not end the process")
+    # Ended by SIGINT itself (or, if the first stop won the race, by the interruption).
+    assert process.returncode in (-signal.SIGINT, 3), err[-3000:]
+
+
+HOGGED = textwrap.dedent(
+    r"""
+    import json, os
+    os.environ["KERAS_BACKEND"] = "jax"
+    os.environ["KERAS_MULTIGPU_CPU_DEVICES"] = "2"
+    import keras, numpy as np
+    import keras_multigpu as kmg
+    x = np.random.default_rng(0).normal(size=(300, 16, 16, 3)).astype("float32")
+    y = keras.utils.to_categorical(np.arange(300) % 10, 10)
+    model = keras.Sequential([keras.Input((16, 16, 3)), keras.layers.Conv2D(16, 3),
+                              keras.layers.BatchNormalization(), keras.layers.ReLU(),
+                              keras.layers.GlobalAveragePooling2D(),
+                              keras.layers.Dense(10, activation="softmax")])
+    parallel = kmg.multi_gpu_model(model, gpus=2)
+    parallel.compile(optimizer="sgd", loss="categorical_crossentropy")
+    history = parallel.fit(x, y, batch_size=30, epochs=3, verbose=0)
+    print(json.dumps({"flags": os.environ["XLA_FLAGS"], "epochs": len(history.history["loss"])}))
+    """
+)
+
+
+def test_a_two_device_fit_survives_a_cpu_hog(tmp_path):
+    """Every core busy with another process: the device threads are starved, and XLA's CPU
+    collectives, whose timeout is raised, wait for them instead of aborting the process."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(os.cpu_count() or 2)]
+    try:
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        result = subprocess.run([sys.executable, "-c", HOGGED], capture_output=True, text=True,
+                                env=env, timeout=600)
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    assert result.returncode == 0, result.stderr[-3000:]
+    facts = json.loads(result.stdout.strip().splitlines()[-1])
+    assert facts["epochs"] == 3
+    assert "--xla_cpu_collective_call_terminate_timeout_seconds=3600" in facts["flags"]
