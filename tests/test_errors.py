@@ -232,3 +232,137 @@ def test_compile_loss_without_reduction(model):
         parallel.compile(optimizer="sgd", loss=loss)
     assert type(info.value) is ValueError
     assert "sum_over_batch_size" in str(info.value)
+
+
+# -- data Keras would refuse, refused early and at the user's level -----------------------
+
+
+def test_a_generator_yielding_bare_arrays_is_refused_as_keras_does(parallel):
+    x, _ = _data(10)
+
+    def inputs_only():
+        for start in range(0, 10, 5):
+            yield x[start:start + 5]
+
+    with pytest.raises(ValueError, match=r"the generator must return a tuple.*Received: "
+                                         r"ndarray of shape \(5, 6\)"):
+        parallel.fit(inputs_only(), epochs=1, verbose=0)
+
+
+def test_fit_without_targets_for_a_compiled_loss_is_refused(parallel, no_training):
+    x, _ = _data(10)
+    with pytest.raises(ValueError, match=r"fit received inputs but no targets \(y=None\)"):
+        parallel.fit(x, epochs=1, verbose=0)
+
+
+@pytest.mark.parametrize("x, dtype", [
+    (np.array([["a"] * 6] * 10), "str"),
+    (np.array([[1, "b", None, 2, 3, 4]] * 10, dtype=object), "object"),
+], ids=["strings", "objects"])
+def test_arrays_no_model_can_take_are_refused(parallel, no_training, x, dtype):
+    _, y = _data(10)
+    with pytest.raises(ValueError, match=rf"Invalid dtype: {dtype}\w* in x .*shape \(10, 6\)"):
+        parallel.fit(x, y, epochs=1, verbose=0)
+
+
+def test_class_weight_as_a_list_is_refused(parallel, no_training):
+    x, y = _data(10)
+    with pytest.raises(TypeError, match=r"class_weight must be a dict.*Received: class_weight "
+                                        r"of type list: \[1.0, 2.0\]"):
+        parallel.fit(x, y, class_weight=[1.0, 2.0], epochs=1, verbose=0)
+
+
+def test_class_weight_naming_no_class_warns(parallel):
+    x, y = _data(12)
+    with pytest.warns(UserWarning, match=r"class_weight has key\(s\) \[7\] that name no class"):
+        parallel.fit(x, y, class_weight={0: 1.0, 1: 1.0, 2: 1.0, 7: 2.0}, batch_size=6,
+                     epochs=1, verbose=0)
+
+
+# -- damaged and unwritable files ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["truncated.weights.h5", "junk.weights.h5", "truncated.keras"])
+def test_a_damaged_weights_file_is_named(parallel, tmp_path, name):
+    good = tmp_path / ("good.keras" if name.endswith(".keras") else "good.weights.h5")
+    if name.endswith(".keras"):
+        parallel.save(good)
+    else:
+        parallel.save_weights(good)
+    damaged = tmp_path / name
+    data = good.read_bytes()
+    damaged.write_bytes(b"hello" if name.startswith("junk") else data[: len(data) // 2])
+    before = _weights(parallel)
+    with pytest.raises(ValueError, match=rf"{damaged}.*cannot be read as a Keras file: it is "
+                                         "truncated or damaged"):
+        parallel.load_weights(damaged)
+    for a, b in zip(before, _weights(parallel)):
+        np.testing.assert_array_equal(a, b)
+
+
+SAVE_WITH_A_FILE_SIZE_LIMIT = r"""
+import os, resource, signal, sys
+os.environ["KERAS_BACKEND"] = "jax"
+import keras, numpy as np
+import keras_multigpu as kmg
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
+model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(4096)])
+parallel = kmg.multi_gpu_model(model, gpus=1)
+path = sys.argv[1]
+open(path, "wb").write(b"the last good file")
+resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+try:
+    parallel.save(path)
+except OSError as error:
+    print("ERROR", error)
+"""
+
+
+def test_a_write_error_names_the_path_and_keeps_the_last_good_file(tmp_path):
+    import subprocess
+    import sys
+
+    target = tmp_path / "model.keras"
+    result = subprocess.run([sys.executable, "-c", SAVE_WITH_A_FILE_SIZE_LIMIT, str(target)],
+                            capture_output=True, text=True, timeout=300)
+    assert f"ERROR [Errno 27] Cannot write {target}: File too large" in result.stdout, (
+        result.stdout + result.stderr[-2000:])
+    assert "ulimit -f" in result.stdout
+    assert target.read_bytes() == b"the last good file"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.keras"]
+
+
+KILLED_MID_SAVE = r"""
+import os, sys, time
+os.environ["KERAS_BACKEND"] = "jax"
+import keras
+import keras_multigpu as kmg
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+parallel = kmg.multi_gpu_model(model, gpus=1)
+original = keras.Model.save
+def slow_save(self, filepath, *args, **kwargs):
+    original(self, filepath, *args, **kwargs)
+    print("WRITTEN", flush=True)
+    time.sleep(60)  # killed here: the temporary file exists, not yet renamed
+keras.Model.save = slow_save
+parallel.save(sys.argv[1])
+"""
+
+
+def test_a_save_killed_midway_leaves_nothing_after_the_next_save(parallel, tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    target = tmp_path / "model.keras"
+    process = subprocess.Popen([sys.executable, "-c", KILLED_MID_SAVE, str(target)],
+                               stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline().strip() == "WRITTEN"
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=60)
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name != "model.keras"]
+    assert len(leftovers) == 1 and leftovers[0].startswith(".model.keras.tmp-")
+    assert not target.exists()
+    parallel.save(target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.keras"]
+    keras.saving.load_model(target)

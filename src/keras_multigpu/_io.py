@@ -1,6 +1,14 @@
-"""Atomic writes: a file appears whole or not at all."""
+"""Atomic writes: a file appears whole or not at all, and errors name it.
+
+A save goes to a temporary file beside its target, then is renamed over it.
+The temporary name records the target and the writing process
+(`.model.keras.tmp-<pid>-<random>.keras`), so that a save which a SIGKILL cut
+short leaves a file the next save to the same path recognises and removes.
+"""
 
 import contextlib
+import errno
+import glob
 import json
 import os
 import tempfile
@@ -12,13 +20,57 @@ def _umask():
     return mask
 
 
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+def _temporary_prefix(filepath):
+    return f".{os.path.basename(filepath)}.tmp-"
+
+
+def remove_leftovers(filepath, suffix=""):
+    """Removes temporary files of earlier saves to `filepath` whose process is gone.
+
+    Returns the paths removed.
+    """
+    directory = os.path.dirname(os.path.abspath(filepath))
+    pattern = os.path.join(glob.escape(directory),
+                           glob.escape(_temporary_prefix(filepath)) + "*" + glob.escape(suffix))
+    removed = []
+    for path in glob.glob(pattern):
+        owner = os.path.basename(path)[len(_temporary_prefix(filepath)):].split("-", 1)[0]
+        if owner.isdigit() and int(owner) != os.getpid() and not _alive(int(owner)):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+                removed.append(path)
+    return removed
+
+
+def _hint(error):
+    if error.errno == errno.ENOSPC:
+        return "The disk is full: free some space or save elsewhere."
+    if error.errno == errno.EFBIG:
+        return "The file is larger than this process may write (ulimit -f): raise the limit."
+    if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return "The folder is not writable: choose another path."
+    return "Check the path and the disk."
+
+
 @contextlib.contextmanager
 def atomic_path(filepath, suffix=""):
     """Yields a temporary path beside `filepath`; renames it over `filepath` on success.
 
     A failure (an exception in the block) leaves `filepath` as it was and no
     temporary file behind. The file gets the permissions of a plainly created
-    one (0666 less the umask), not tempfile's private 0600.
+    one (0666 less the umask), not tempfile's private 0600. An `OSError`
+    (full disk, file size limit, permissions) is raised again naming
+    `filepath`.
 
     Raises:
         ValueError: `filepath` does not end with `suffix`.
@@ -29,16 +81,41 @@ def atomic_path(filepath, suffix=""):
             f"The filename must end in {suffix!r}. Received: filepath={filepath!r}."
         )
     directory = os.path.dirname(os.path.abspath(filepath))
-    os.makedirs(directory, exist_ok=True)
-    handle, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=suffix, dir=directory)
-    os.close(handle)
     try:
-        yield tmp
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, filepath)
+        os.makedirs(directory, exist_ok=True)
+        remove_leftovers(filepath, suffix)
+        handle, tmp = tempfile.mkstemp(
+            prefix=f"{_temporary_prefix(filepath)}{os.getpid()}-", suffix=suffix, dir=directory
+        )
+        os.close(handle)
+    except OSError as error:
+        raise type(error)(error.errno, f"Cannot write {filepath}: {error.strerror}. "
+                                       f"{_hint(error)}") from error
+    try:
+        try:
+            yield tmp
+            os.chmod(tmp, 0o666 & ~_umask())
+            os.replace(tmp, filepath)
+        except OSError as error:
+            if error.errno is None:  # h5py's errors carry no errno
+                raise OSError(f"Cannot write {filepath}: {error}. Check the path and the "
+                              f"disk; {filepath} was left as it was.") from error
+            raise type(error)(error.errno, f"Cannot write {filepath}: {error.strerror}. "
+                                           f"{_hint(error)} {filepath} was left as it was."
+                              ) from error
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def unreadable(filepath, error):
+    """A clear error for a Keras file that exists but cannot be read."""
+    size = os.path.getsize(filepath)
+    return ValueError(
+        f"{filepath} ({size:,} bytes) cannot be read as a Keras file: it is truncated or "
+        f"damaged ({type(error).__name__}: {error}). Load an earlier checkpoint, or save the "
+        "model again."
+    )
 
 
 def write_json(filepath, payload):

@@ -28,6 +28,7 @@ import math
 import random
 import threading
 import types
+import warnings
 
 import keras
 import numpy as np
@@ -131,8 +132,62 @@ def _parts(x, y, sample_weight):
     return (x,)
 
 
+def check_dtypes(structure, what):
+    """Refuses arrays no model can take (strings, objects), as Keras does, but early."""
+    for leaf in tree.flatten(structure):
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is not None and np.dtype(dtype).kind not in "biufc":
+            raise ValueError(
+                f"Invalid dtype: {np.dtype(dtype).name} in {what} (an array of shape "
+                f"{np.shape(leaf)}). A model takes numbers: turn text into numbers first (e.g. "
+                "keras.layers.StringLookup or TextVectorization, applied to the data), and "
+                "object arrays into numeric ones (np.asarray(a, 'float32'))."
+            )
+
+
+def check_class_weight(class_weight, y=None):
+    """`class_weight` must map class indices to weights.
+
+    With `y`, keys that name no class in it are warned about.
+    """
+    if class_weight is None:
+        return
+    if not isinstance(class_weight, dict):
+        raise TypeError(
+            "class_weight must be a dict mapping class indices to weights, e.g. "
+            f"{{0: 1.0, 1: 5.0}}. Received: class_weight of type {type(class_weight).__name__}: "
+            f"{class_weight!r}."
+        )
+    for key, value in class_weight.items():
+        if isinstance(key, bool) or not isinstance(key, (int, np.integer)):
+            raise TypeError(
+                "class_weight's keys must be class indices (ints). Received: key "
+                f"{key!r} of type {type(key).__name__}."
+            )
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
+            raise TypeError(
+                f"class_weight's values must be numbers. Received: {key}: {value!r}."
+            )
+    if y is None or len(tree.flatten(y)) != 1:
+        return
+    labels = np.asarray(tree.flatten(y)[0])
+    if labels.ndim > 1 and labels.shape[-1] > 1:
+        classes = set(range(labels.shape[-1]))
+    else:
+        classes = {int(c) for c in np.unique(labels.astype("int64"))}
+    unknown = sorted(int(k) for k in class_weight if int(k) not in classes)
+    if unknown:
+        warnings.warn(
+            f"class_weight has key(s) {unknown} that name no class in y (its classes: "
+            f"{sorted(classes)[:20]}{' ...' if len(classes) > 20 else ''}); they weigh nothing. "
+            "Check the keys against your labels.",
+            stacklevel=4,
+        )
+
+
 def class_sample_weights(y, class_weight, sample_weight=None):
     """Per-sample weights from `class_weight` (Keras's own conversion)."""
+    check_class_weight(class_weight)
     if sample_weight is not None:
         raise ValueError(
             "Pass either class_weight or sample_weight, not both. "
@@ -170,6 +225,7 @@ def pad_batch(batch, replicas, tag, class_weight=None, always=True):
     """
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
     rows = _num_rows(x, "x")
+    check_dtypes((x, y, sample_weight), "a batch")
     if rows == 0:
         raise ValueError("A batch has 0 rows. Every batch needs at least one sample.")
     if class_weight is not None:
@@ -359,7 +415,15 @@ class WrappedIterable(PaddedBatches):
 
 def _padded_generator(generator, dataset):
     for batch in generator:
-        yield dataset.pad(batch)
+        if not isinstance(batch, (tuple, list)) or not 1 <= len(batch) <= 3:
+            raise ValueError(
+                "When passing a Python generator to a Keras model, the generator must return "
+                "a tuple, either (input,) or (inputs, targets) or (inputs, targets, "
+                f"sample_weights). Received: {type(batch).__name__}"
+                + (f" of shape {np.shape(batch)}" if hasattr(batch, "shape") else "")
+                + ". Yield (x, y) batches, or (x,) for inputs alone."
+            )
+        yield dataset.pad(tuple(batch))
 
 
 def _is_array_like(x):
@@ -395,6 +459,7 @@ def as_padded(x, y=None, sample_weight=None, *, batch_size=None, replicas, tag,
             "x must be arrays, a keras.utils.PyDataset, a generator or a dataset. "
             f"Received: x of type {type(x).__name__}."
         )
+    check_class_weight(class_weight, y if _is_array_like(x) else None)
     if shuffle not in (True, False, "batch"):
         raise ValueError(
             f"shuffle must be True, False or 'batch', as in Keras. Received: shuffle={shuffle!r}."
@@ -432,6 +497,9 @@ def as_padded(x, y=None, sample_weight=None, *, batch_size=None, replicas, tag,
             f"dataset of known length. Received: x of type {type(x).__name__}."
         )
     rows = _num_rows(x, "x")
+    check_dtypes(x, "x")
+    check_dtypes(y, "y")
+    check_dtypes(sample_weight, "sample_weight")
     for name, value in (("y", y), ("sample_weight", sample_weight)):
         if value is not None and _num_rows(value, name) != rows:
             raise ValueError(
