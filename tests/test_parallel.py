@@ -399,3 +399,50 @@ def test_a_padded_step_compiles_to_the_same_collectives(conv_bn_model):
             found[rows] = _collectives(hlo)
     assert found[11] == found[12]
     assert found[12]["all-reduce"] > 0 and found[12]["all-gather"] == 0
+
+
+def test_the_resident_budget_counts_devices_and_their_free_memory(dense_model, monkeypatch):
+    from keras_multigpu import parallel as parallel_module
+    from keras_multigpu.backends import jax as engine
+
+    assert kmg.multi_gpu_model(dense_model(), gpus=8).resident_budget() < \
+        kmg.multi_gpu_model(dense_model(), gpus=4).resident_budget()  # CPU devices share RAM
+    monkeypatch.setattr(engine, "free_memory", lambda devices: [8 * 2**20, 4 * 2**20])
+    parallel = kmg.multi_gpu_model(dense_model(), gpus=2)
+    assert parallel.resident_budget() == parallel_module.RESIDENT_FRACTION * 4 * 2**20
+    x, y = classification_data(2 * 2**20 // 24)  # 2 MiB > a quarter of 4 MiB: host path
+    _, dataset = parallel._padded(x, y, batch_size=64)
+    assert dataset.take is None and dataset.put is not None
+    _, small = parallel._padded(x[:100], y[:100], batch_size=64)
+    assert small.take is not None
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_the_host_path_prefetches_placed_batches_with_the_same_results(
+        dense_model, monkeypatch, shuffle):
+    import jax
+
+    from keras_multigpu import parallel as parallel_module
+
+    x, y = classification_data(53)
+    keras.utils.set_random_seed(2)
+    resident = compile_sgd(kmg.multi_gpu_model(dense_model(), gpus=3))
+    expected = resident.fit(x, y, batch_size=10, epochs=2, shuffle=shuffle, verbose=0)
+    monkeypatch.setattr(parallel_module, "RESIDENT_LIMIT_BYTES", 0)
+    keras.utils.set_random_seed(2)
+    host = compile_sgd(kmg.multi_gpu_model(dense_model(), gpus=3))
+    data, dataset = host._padded(x, y, batch_size=10)
+    first = engine_untag(dataset[0])
+    assert isinstance(first[0], jax.Array) and len(first[0].sharding.device_set) == 3
+    assert dataset._pending is not None and dataset._pending[1] == 1  # batch 1 on its way
+    np.testing.assert_array_equal(np.asarray(engine_untag(dataset[1])[0]), x[10:20])
+    dataset.close()
+    history = host.fit(x, y, batch_size=10, epochs=2, shuffle=shuffle, verbose=0)
+    assert_history_close(expected, history)
+    assert_weights_close(resident.get_weights(), host.get_weights())
+
+
+def engine_untag(batch):
+    from keras_multigpu.backends import jax as engine
+
+    return engine.untag(batch)

@@ -23,6 +23,7 @@ permutations for arrays, `random.shuffle` of the batch order for a
 with the global generator's state when the call starts (see `RandomState`).
 """
 
+import concurrent.futures
 import dataclasses
 import math
 import random
@@ -132,14 +133,26 @@ def _parts(x, y, sample_weight):
     return (x,)
 
 
+def _numeric(dtype):
+    """`(name, whether a model can take it)` for any framework's dtype."""
+    try:
+        name = keras.backend.standardize_dtype(dtype)
+    except (ValueError, TypeError):
+        return getattr(dtype, "name", str(dtype)), False
+    return name, name == "bool" or name.startswith(("float", "int", "uint", "bfloat", "complex"))
+
+
 def check_dtypes(structure, what):
     """Refuses arrays no model can take (strings, objects), as Keras does, but early."""
     for leaf in tree.flatten(structure):
         dtype = getattr(leaf, "dtype", None)
-        if dtype is not None and np.dtype(dtype).kind not in "biufc":
+        if dtype is None:
+            continue
+        name, numeric = _numeric(dtype)
+        if not numeric:
             raise ValueError(
-                f"Invalid dtype: {np.dtype(dtype).name} in {what} (an array of shape "
-                f"{np.shape(leaf)}). A model takes numbers: turn text into numbers first (e.g. "
+                f"Invalid dtype: {name} in {what} (an array of shape {tuple(np.shape(leaf))}). "
+                "A model takes numbers: turn text into numbers first (e.g. "
                 "keras.layers.StringLookup or TextVectorization, applied to the data), and "
                 "object arrays into numeric ones (np.asarray(a, 'float32'))."
             )
@@ -291,10 +304,15 @@ class ArrayBatches(PaddedBatches):
             `take(index)` (see `backends`), so that each batch is gathered on
             the devices instead of sliced on the host; it may return None to
             decline.
+        put: for data left on the host, a function that places one batch on
+            the devices, split (`backends.<engine>.shard`). The next batch
+            is then sliced and placed in a background thread while Keras runs
+            the current step (not with `shuffle="batch"`, whose draws must
+            stay in Keras's order).
     """
 
     def __init__(self, x, y, sample_weight, plan, tag, shuffle=False, class_weight=None,
-                 place=None, rng=None):
+                 place=None, rng=None, put=None):
         super().__init__(plan.replicas, tag)
         x, y, sample_weight = (
             None if part is None else tree.map_structure(np.asarray, part)
@@ -308,15 +326,49 @@ class ArrayBatches(PaddedBatches):
         self.shuffle = shuffle
         self.rng = np.random if rng is None else rng
         self.take = place((x, y)) if place is not None else None
+        self.put = put if self.take is None else None
         self.order = np.arange(plan.num_samples)
+        self._pass = 0  # counts passes (batch 0 reads), so a prefetch knows its own
+        self._pending = None  # (pass, index, future) of the batch being prefetched
+        self._executor = None
 
     @property
     def num_batches(self):
         return self.plan.num_batches
 
+    def _rows(self, index):
+        start = index * self.plan.batch_size
+        return self.order[start : min(start + self.plan.batch_size, self.plan.num_samples)]
+
+    def _host_batch(self, rows):
+        """Slices (and, with `put`, places) one padded batch from the host arrays."""
+        padding, _ = pad_indices(len(rows), self.replicas)
+        index_rows = rows[padding]
+        parts = _parts(_take(self.x, index_rows), _take(self.y, index_rows),
+                       _take(self.sample_weight, index_rows))
+        return parts if self.put is None else self.put(parts)
+
+    def _prefetch(self, index):
+        if self.put is None or self.shuffle == "batch" or index >= self.plan.num_batches:
+            return
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="keras_multigpu-prefetch"
+            )
+        future = self._executor.submit(self._host_batch, self._rows(index))
+        self._pending = (self._pass, index, future)
+
+    def close(self):
+        """Ends the prefetch thread, if any (a later read starts it again)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor, self._pending = None, None
+
     def __getitem__(self, index):
         if not 0 <= index < self.plan.num_batches:
             raise IndexError(f"Batch {index} of {self.plan.num_batches}.")
+        if index == 0:
+            self._pass += 1
         start = index * self.plan.batch_size
         stop = min(start + self.plan.batch_size, self.plan.num_samples)
         if self.shuffle == "batch":
@@ -326,14 +378,18 @@ class ArrayBatches(PaddedBatches):
                 # A new pass: Keras draws its permutation as its iterator starts.
                 self.order = self.rng.permutation(self.plan.num_samples)
             rows = self.order[start:stop]
-        # One gather per array: the batch's rows and its padding together.
-        padding, _ = pad_indices(len(rows), self.replicas)
-        index_rows = rows[padding]
         if self.take is not None:
-            x, y = self.take(index_rows.astype("int32"))
+            # One gather per array: the batch's rows and its padding together.
+            padding, _ = pad_indices(len(rows), self.replicas)
+            x, y = self.take(rows[padding].astype("int32"))
+            parts = _parts(x, y, _take(self.sample_weight, rows[padding]))
         else:
-            x, y = _take(self.x, index_rows), _take(self.y, index_rows)
-        parts = _parts(x, y, _take(self.sample_weight, index_rows))
+            pending, self._pending = self._pending, None
+            if pending is not None and pending[:2] == (self._pass, index):
+                parts = pending[2].result()
+            else:
+                parts = self._host_batch(rows)
+            self._prefetch(index + 1)
         if not self.plan.padded:
             return parts
         return self.tag(parts, len(rows), self.replicas)
@@ -435,7 +491,7 @@ def _is_array_like(x):
 
 def as_padded(x, y=None, sample_weight=None, *, batch_size=None, replicas, tag,
               shuffle=False, class_weight=None, drop_remainder=False, place=None,
-              rng=None):
+              put=None, rng=None):
     """Turns what `Model.fit` accepts into padded batches.
 
     Args:
@@ -444,6 +500,8 @@ def as_padded(x, y=None, sample_weight=None, *, batch_size=None, replicas, tag,
             order themselves, as in Keras).
         place: for array inputs, a function that puts `(x, y)` on the devices
             and returns `take(index)`, or None to keep them on the host.
+        put: for array inputs kept on the host, a function that places one
+            batch on the devices (batches are then prefetched).
         rng: a `RandomState` to shuffle with (default: the global generators).
 
     Returns:
@@ -512,6 +570,6 @@ def as_padded(x, y=None, sample_weight=None, *, batch_size=None, replicas, tag,
         x, y, sample_weight,
         plan(rows, batch_size, replicas, drop_remainder),
         tag, shuffle=shuffle, class_weight=class_weight, place=place,
-        rng=None if rng is None else rng.numpy,
+        rng=None if rng is None else rng.numpy, put=put,
     )
     return dataset, dataset

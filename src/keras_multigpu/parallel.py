@@ -61,8 +61,13 @@ def multi_gpu_model(model, gpus=None):
     return ParallelModel(model, chosen)
 
 
-# Array datasets up to this size (per device: each holds a copy) are placed on
-# the devices once per call, and every batch is gathered there.
+# Array datasets are placed on the devices once per call, and every batch is
+# gathered there, when they take at most this share of the memory free on the
+# fullest device (CPU devices share the host's memory, so each counts for an
+# equal part of it: the copies multiply with the device count), and at most
+# RESIDENT_LIMIT_BYTES. Larger ones stay on the host, and each batch is placed
+# on the devices, split, while the step before it runs.
+RESIDENT_FRACTION = 0.25
 RESIDENT_LIMIT_BYTES = 2 * 2**30
 
 
@@ -226,18 +231,29 @@ class ParallelModel(keras.Model):
 
     # -- training and inference -----------------------------------------
 
+    def resident_budget(self):
+        """Bytes of array data `fit` keeps on every device (see RESIDENT_FRACTION)."""
+        free = self._backend.free_memory(self._devices)
+        if any(f is None for f in free):
+            return RESIDENT_LIMIT_BYTES
+        return min(RESIDENT_LIMIT_BYTES, int(RESIDENT_FRACTION * min(free)))
+
     def _place(self, arrays):
-        """Keeps array data on the devices when it is small enough (see README)."""
+        """Keeps array data on the devices when it fits the budget (see README)."""
         size = sum(leaf.nbytes for leaf in tree.flatten(arrays) if leaf is not None)
-        if size > RESIDENT_LIMIT_BYTES:
+        if size > self.resident_budget():
             return None
         return self._backend.resident(arrays, self._distribution)
+
+    def _put(self, batch):
+        return self._backend.shard(batch, self._distribution)
 
     def _padded(self, x, y=None, sample_weight=None, **kwargs):
         _check_names(self.template, x, "x", "input")
         _check_names(self.template, y, "y", "output")
         return batching.as_padded(x, y, sample_weight, replicas=self.num_replicas,
-                                  tag=self._backend.tag, place=self._place, **kwargs)
+                                  tag=self._backend.tag, place=self._place, put=self._put,
+                                  **kwargs)
 
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
             callbacks=None, validation_split=0.0, validation_data=None,
@@ -261,12 +277,12 @@ class ParallelModel(keras.Model):
         draws = shuffle is not False or not batching._is_array_like(x)
         rng = batching.RandomState() if draws else None
         _check_targets(self.template, x, y, "fit", "train_step")
-        data, _ = self._padded(
+        data, dataset = self._padded(
             x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
             class_weight=class_weight, drop_remainder=drop_remainder, rng=rng,
         )
         if validation_data is not None:
-            validation_data, _ = self._padded(
+            validation_data, validation_dataset = self._padded(
                 *keras.utils.unpack_x_y_sample_weight(validation_data),
                 batch_size=validation_batch_size or batch_size,
             )
@@ -292,26 +308,36 @@ class ParallelModel(keras.Model):
         finally:
             if rng is not None:
                 rng.commit()
+            _close(dataset)
+            if validation_data is not None:
+                _close(validation_dataset)
 
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto",
                  sample_weight=None, steps=None, callbacks=None,
                  return_dict=False, **kwargs):
         self._sync_compile()
         _check_targets(self.template, x, y, "evaluate", "test_step")
-        data, _ = self._padded(x, y, sample_weight, batch_size=batch_size)
-        with interrupt.deferred(), self._placed():
-            return super().evaluate(
-                data, verbose=verbose, steps=steps, callbacks=interrupt.with_stop(callbacks),
-                return_dict=return_dict, **kwargs,
-            )
+        data, dataset = self._padded(x, y, sample_weight, batch_size=batch_size)
+        try:
+            with interrupt.deferred(), self._placed():
+                return super().evaluate(
+                    data, verbose=verbose, steps=steps,
+                    callbacks=interrupt.with_stop(callbacks), return_dict=return_dict, **kwargs,
+                )
+        finally:
+            if not kwargs.get("_use_cached_eval_dataset"):  # fit's own: fit closes it
+                _close(dataset)
 
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
         """Keras's `predict`: exactly one output row per input row, in order."""
         self._sync_compile()
-        data, _ = self._padded(x, batch_size=batch_size)
-        with interrupt.deferred(), self._placed():
-            return super().predict(data, verbose=verbose, steps=steps,
-                                   callbacks=interrupt.with_stop(callbacks))
+        data, dataset = self._padded(x, batch_size=batch_size)
+        try:
+            with interrupt.deferred(), self._placed():
+                return super().predict(data, verbose=verbose, steps=steps,
+                                       callbacks=interrupt.with_stop(callbacks))
+        finally:
+            _close(dataset)
 
     def _pad_one(self, x, y=None, sample_weight=None, class_weight=None):
         """One batch as the positional `x, y, sample_weight` of Keras's `*_on_batch`."""
@@ -391,6 +417,12 @@ class ParallelModel(keras.Model):
     @property
     def outputs(self):
         return self.template.outputs
+
+
+def _close(dataset):
+    close = getattr(dataset, "close", None)
+    if close is not None:
+        close()
 
 
 def _checked_step_result(template, step, result, stateless):

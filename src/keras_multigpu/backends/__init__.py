@@ -15,6 +15,10 @@ Every backend module defines the names in `API`:
   device of `distribution` (models are usually built before it exists).
 - `resident(arrays, distribution)`: place a dataset on the devices once and
   return `take(index)`, which gathers a batch there, already split.
+- `shard(arrays, distribution)`: place one host batch on the devices, split
+  along the batch axis, without waiting for the copy.
+- `free_memory(devices)`: bytes free on each device (CPU devices: an equal
+  share of the host's available memory), None where unknown.
 - `tag(batch, rows, replicas)`: on the host, a padded batch (its real rows
   first) as handed to Keras, marked with its real row count `rows`.
 - `untag(data)`: inside the compiled step, the real rows of a tagged batch
@@ -34,6 +38,8 @@ API = (
     "make_distribution",
     "replicate",
     "resident",
+    "shard",
+    "free_memory",
     "tag",
     "untag",
     "process_index",

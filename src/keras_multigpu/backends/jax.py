@@ -123,6 +123,56 @@ def resident(arrays, distribution):
     return lambda index: gather(placed, index)
 
 
+def shard(arrays, distribution):
+    """Places a host batch (a tree) on the devices, split along the batch axis.
+
+    The result has the sharding Keras gives a batch, so Keras passes it on
+    unchanged. `device_put` returns at once; the copy proceeds while the
+    caller goes on (the host path prefetches with it).
+    """
+    mesh = distribution.device_mesh.backend_mesh
+    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("batch"))
+    return jax.device_put(arrays, split)
+
+
+def _host_available_bytes():
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
+
+
+def free_memory(devices):
+    """Bytes free on each of `devices` (`Device` records), None where unknown.
+
+    Accelerators report their allocator's limit less what is in use. CPU
+    devices (virtual ones included) share the host's memory: each gets an
+    equal part of what the host has available, since a dataset placed on
+    all of them is copied once per device.
+    """
+    found = {(d.platform, d.id): d for d in jax.devices()}
+    free, cpus = [], 0
+    for device in devices:
+        stats = found[(device.kind, device.id)].memory_stats() or {}
+        if "bytes_limit" in stats:
+            free.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+        else:
+            free.append(None)
+            cpus += 1
+    if cpus:
+        available = _host_available_bytes()
+        share = None if available is None else available // cpus
+        free = [share if f is None else f for f in free]
+    return free
+
+
 # The keys of a tagged batch: no Keras batch is a dict with exactly these two.
 _BATCH, _ROWS = "keras_multigpu_batch", "keras_multigpu_rows"
 

@@ -143,6 +143,15 @@ def measure(spec):
     setup = setups.parse(spec["setup"])
     import numpy as np
 
+    placement = spec.get("placement", "auto")
+    if placement != "auto":
+        from keras_multigpu import parallel as parallel_module
+
+        if placement == "host":
+            parallel_module.RESIDENT_LIMIT_BYTES = 0
+        else:  # resident, whatever the budget says
+            parallel_module.RESIDENT_LIMIT_BYTES = parallel_module.RESIDENT_FRACTION = float("inf")
+
     keras.config.set_dtype_policy(spec.get("precision", "float32"))
     keras.utils.set_random_seed(0)
     batch = spec["batch_per_device"] * setup.devices
@@ -180,6 +189,8 @@ def measure(spec):
         "compile_seconds": fit.seconds[0] - steady,
         "fit_calls": fit.calls,
         **fit_call_figures(fit.calls, samples, fit_epochs),
+        "placement": placement,
+        "data_mb": (x.nbytes + y.nbytes) / 2**20,
         "peak_host_memory_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "parameters": int(fit.params),
     }
