@@ -4,6 +4,6 @@
 # no test ran; both fail this script.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh jax,test,peers
 export KERAS_BACKEND=jax
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
