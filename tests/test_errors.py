@@ -366,3 +366,30 @@ def test_a_save_killed_midway_leaves_nothing_after_the_next_save(parallel, tmp_p
     parallel.save(target)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.keras"]
     keras.saving.load_model(target)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"epochs": "2"}, r"epochs must be an int >= 0\. Received: epochs='2' of type str"),
+    ({"epochs": -1}, r"epochs must be an int >= 0\. Received: epochs=-1"),
+    ({"initial_epoch": 1.5}, r"initial_epoch must be an int >= 0"),
+    ({"validation_freq": 0}, r"validation_freq must be an int >= 1"),
+    ({"steps_per_epoch": 0}, r"steps_per_epoch must be an int >= 1"),
+    ({"callbacks": "early"}, r"callbacks must be a list of keras\.callbacks\.Callback"),
+    ({"callbacks": [print]}, r"callbacks must be a list of keras\.callbacks\.Callback"),
+    ({"sample_weight": np.ones((10, 5))}, r"sample_weight has shape \(10, 5\), which does not "
+                                          r"match y's \(10, 3\)"),
+    ({"validation_data": (np.zeros((4, 6), "float32"),)},
+     r"fit's validation_data received inputs but no targets"),
+], ids=["epochs-str", "epochs-negative", "initial-epoch-float", "validation-freq-0",
+        "steps-0", "callbacks-str", "callbacks-function", "sample-weight-shape",
+        "validation-without-targets"])
+def test_bad_fit_arguments_are_refused_before_training(parallel, no_training, kwargs, match):
+    x, y = _data(10)
+    with pytest.raises((ValueError, TypeError), match=match):
+        parallel.fit(x, y, verbose=0, **kwargs)
+
+
+def test_a_missing_weights_file_is_named(parallel, tmp_path):
+    missing = tmp_path / "nowhere.weights.h5"
+    with pytest.raises(FileNotFoundError, match=rf"No such weights file: {missing}"):
+        parallel.load_weights(missing)

@@ -564,6 +564,15 @@ def as_padded(x, y=None, sample_weight=None, *, batch_size=None, replicas, tag,
                 f"x has {rows} rows but {name} has {_num_rows(value, name)}. "
                 f"Pass the same number of samples in x and {name}."
             )
+    if sample_weight is not None and y is not None and not tree.is_nested(sample_weight) \
+            and not tree.is_nested(y):
+        weights, targets = np.shape(sample_weight), np.shape(y)
+        if len(weights) > len(targets) or targets[: len(weights)] != weights:
+            raise ValueError(
+                f"sample_weight has shape {weights}, which does not match y's {targets}: pass "
+                f"one weight per sample, shape ({rows},), or per time step, a prefix of y's "
+                "shape."
+            )
     if batch_size is None:
         batch_size = 32
     dataset = ArrayBatches(

@@ -21,6 +21,7 @@ import os
 import zipfile
 
 import keras
+import numpy as np
 from keras import tree
 from keras.src.utils import io_utils
 
@@ -266,6 +267,7 @@ class ParallelModel(keras.Model):
         (array inputs) instead of padding it.
         """
         self._sync_compile()
+        _check_fit_arguments(epochs, initial_epoch, validation_freq, callbacks, steps_per_epoch)
         if validation_split and validation_data is None:
             if not batching._is_array_like(x):
                 raise ValueError(
@@ -282,6 +284,9 @@ class ParallelModel(keras.Model):
             class_weight=class_weight, drop_remainder=drop_remainder, rng=rng,
         )
         if validation_data is not None:
+            if isinstance(validation_data, (tuple, list)):
+                val_x, val_y, _ = keras.utils.unpack_x_y_sample_weight(tuple(validation_data))
+                _check_targets(self.template, val_x, val_y, "fit's validation_data", "test_step")
             validation_data, validation_dataset = self._padded(
                 *keras.utils.unpack_x_y_sample_weight(validation_data),
                 batch_size=validation_batch_size or batch_size,
@@ -382,7 +387,12 @@ class ParallelModel(keras.Model):
             self.template.save_weights(tmp, **kwargs)
 
     def load_weights(self, filepath, **kwargs):
-        """Loads weights into the template; a damaged file is named in the error."""
+        """Loads weights into the template; a missing or damaged file is named in the error."""
+        if not os.path.exists(filepath):
+            raise FileNotFoundError(
+                f"No such weights file: {filepath}. Pass the path of a .weights.h5 or .keras "
+                "file written by save_weights, save or ModelCheckpoint."
+            )
         try:
             self.template.load_weights(filepath, **kwargs)
         except (OSError, zipfile.BadZipFile) as error:
@@ -447,6 +457,35 @@ def _checked_step_result(template, step, result, stateless):
 def _describe(value):
     text = repr(value)
     return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _check_int(name, value, minimum):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(
+            f"{name} must be an int >= {minimum}. Received: {name}={value!r}"
+            f"{'' if isinstance(value, (int, np.integer)) else f' of type {type(value).__name__}'}."
+        )
+
+
+def _check_fit_arguments(epochs, initial_epoch, validation_freq, callbacks, steps_per_epoch):
+    """The scalar arguments of `fit`, refused before anything starts (Keras fails later)."""
+    _check_int("epochs", epochs, 0)
+    _check_int("initial_epoch", initial_epoch, 0)
+    if steps_per_epoch is not None:
+        _check_int("steps_per_epoch", steps_per_epoch, 1)
+    if isinstance(validation_freq, (list, tuple)):
+        for epoch in validation_freq:
+            _check_int("each epoch in validation_freq", epoch, 1)
+    else:
+        _check_int("validation_freq", validation_freq, 1)
+    if callbacks is not None and not isinstance(callbacks, keras.callbacks.CallbackList):
+        listed = callbacks if isinstance(callbacks, (list, tuple)) else [callbacks]
+        bad = [c for c in listed if not isinstance(c, keras.callbacks.Callback)]
+        if bad or not isinstance(callbacks, (list, tuple)):
+            raise TypeError(
+                "callbacks must be a list of keras.callbacks.Callback instances. Received: "
+                f"callbacks={_describe(callbacks)}."
+            )
 
 
 def _check_targets(template, x, y, method, step):
