@@ -41,10 +41,13 @@ def test_train_writes_every_output(tmp_path, capsys):
     # Linear decay to zero over the run: half-way after epoch 1, zero at the end.
     assert epochs[0]["learning_rate"] == pytest.approx(0.005, rel=1e-4)
     assert epochs[1]["learning_rate"] == pytest.approx(0.0, abs=1e-9)
+    assert history["complete"] is True
     printed = capsys.readouterr().out
-    assert "Epoch 2/2" in printed  # Keras's progress bar
+    assert "Epoch 2/2" in printed  # Keras's output, one line per epoch: stdout is no terminal
+    assert "\x1b" not in printed and "\x08" not in printed and "\r" not in printed
     line = printed.strip().splitlines()[-1]
     assert line.startswith("devices=3 (cpu:0, cpu:1, cpu:2)") and "val_accuracy=" in line
+    assert line.endswith(f"; saved in {out}: model.keras, history.json, plot.png"), line
     loaded = subprocess.run(
         [sys.executable, "-c", LOAD, str(out / "model.keras")], capture_output=True, text=True,
         env={**os.environ, "KERAS_BACKEND": "jax"}, timeout=180, check=False,
@@ -58,7 +61,11 @@ def test_target_accuracy_sets_the_exit_status(tmp_path, capsys):
     code = cli.main(["train", "--gpus", "2", "--output", str(tmp_path), "--data-dir",
                      cifar_dir(), "--target-acc", "0.99", "--no-augment", *TINY])
     assert code == 1
-    assert "below --target-acc 0.99" in capsys.readouterr().err
+    printed = capsys.readouterr()
+    assert "below --target-acc 0.99" in printed.err
+    accuracy = json.loads((tmp_path / "history.json").read_text())["final_val_accuracy"]
+    line = printed.out.strip().splitlines()[-1]
+    assert f"; --target-acc 0.99 FAILED ({accuracy:.4f} < 0.99); saved in {tmp_path}: " in line
 
 
 @needs_data
@@ -71,6 +78,9 @@ def test_compare_overlays_device_counts(tmp_path, capsys):
     assert [len(r["devices"]) for r in runs] == [1, 2]
     table = capsys.readouterr().out
     assert "speed-up" in table and "s/epoch" in table
+    assert table.strip().splitlines()[-1] == (
+        f"saved in {tmp_path}: compare.json, compare.png, gpus-1/, gpus-2/"
+    )
 
 
 def test_missing_data_is_a_clear_error(tmp_path, capsys):
@@ -78,7 +88,8 @@ def test_missing_data_is_a_clear_error(tmp_path, capsys):
                      str(tmp_path / "nowhere"), *TINY])
     assert code == 2
     err = capsys.readouterr().err
-    assert "nowhere" in err and "--data-dir" in err
+    assert "nowhere" in err and "--data-dir" in err and "Traceback" not in err
+    assert os.listdir(tmp_path) == []  # no empty output folder left behind
 
 
 def test_bad_flags_are_refused(capsys):

@@ -1,15 +1,43 @@
-"""The `keras-multigpu` command: `devices`, `train` and `compare`."""
+"""The `keras-multigpu` command: `devices`, `train`, `compare` and `bench`.
+
+Exit status: 0 on success; 1 when a run ends below `--target-acc`; 2 for a
+user's mistake (a bad flag, data folder or `--output`), reported in one line
+without a traceback; 130 after a Ctrl-C, which `train` and `compare` report
+with what was saved (the experiment writes its files after every epoch).
+"""
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import sys
 
 from keras_multigpu import backends
 from keras_multigpu import devices as devices_lib
 from keras_multigpu._io import write_json
+
+EXIT_TARGET_MISSED = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+class UsageError(Exception):
+    """A mistake in the command line, reported without a traceback."""
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: ...)" after every option whose help does not state its default."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, argparse.SUPPRESS) or isinstance(
+            action.default, bool
+        ):
+            return text
+        return super()._get_help_string(action)
 
 
 def _positive_int(text):
@@ -32,49 +60,165 @@ def _count(text):
     return value
 
 
+def _positive_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _fraction(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text!r}")
+    return value
+
+
+def _gpus(text):
+    """`train --gpus`, as `multi_gpu_model(gpus=...)`: a count, a list of ids, or all."""
+    text = text.strip()
+    if text.lower() == "all":
+        return None
+    try:
+        if "," in text:
+            ids = [int(part) for part in text.split(",") if part.strip()]
+            if ids and min(ids) >= 0 and len(set(ids)) == len(ids):
+                return ids
+        elif int(text) >= 0:
+            return int(text)
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(
+        "expected a device count (0 and 1 both mean one device), a list of distinct device "
+        f"ids such as 0,2 (one id: 3,) or 'all'; got {text!r}"
+    )
+
+
 def _gpu_list(text):
     try:
         counts = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         counts = []
-    if not counts or min(counts) < 1:
-        raise argparse.ArgumentTypeError(f"expected counts like 1,2,4; got {text!r}")
+    if not counts or min(counts) < 1 or len(set(counts)) != len(counts):
+        raise argparse.ArgumentTypeError(
+            f"expected distinct device counts of at least 1, like 1,2,4; got {text!r}"
+        )
     return counts
 
 
-def _prepare_devices(count):
-    """On a machine without GPUs, asks for `count` virtual CPU devices.
+def _prepare_devices(gpus):
+    """Checks `gpus` against the devices; on a machine without GPUs, asks for enough
+    virtual CPU devices for it.
 
     Runs before the framework starts; NVML is the only thing consulted.
     """
-    if count and all(d.kind == "cpu" for d in devices_lib.list_devices()):
+    if gpus is not None and all(d.kind == "cpu" for d in devices_lib.list_devices()):
         if devices_lib.cpu_device_count() is None:
-            backends.current().configure_cpu_devices(count)
+            needed = max(gpus) + 1 if isinstance(gpus, list) else max(gpus, 1)
+            backends.current().configure_cpu_devices(needed)
             devices_lib.list_devices.cache_clear()
+    try:
+        devices_lib.select(gpus, devices_lib.list_devices())
+    except ValueError as error:
+        text = str(error).replace("Pass gpus=None", "Pass --gpus all")
+        raise UsageError(f"--gpus: {text}") from None
+
+
+def _check_output(path, overwrite):
+    """Refuses an `--output` that is not a folder, cannot be created, or holds files."""
+    if not path.strip():
+        raise UsageError("--output is empty; name a folder for the results")
+    if os.path.isdir(path):
+        names = sorted(os.listdir(path))
+        if names and not overwrite:
+            shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+            raise UsageError(
+                f"--output {path} already holds files ({shown}); pass --overwrite to replace "
+                "them, or choose another --output"
+            )
+        parent = path
+    elif os.path.lexists(path):
+        what = "a file" if os.path.isfile(path) else "not a folder"
+        raise UsageError(f"--output {path} is {what}; choose another --output")
+    else:
+        parent = os.path.dirname(os.path.abspath(path))
+        while not os.path.lexists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent):
+            raise UsageError(
+                f"--output {path} cannot be created: {parent} is a file, not a folder"
+            )
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"--output {path}: {parent} is not writable; choose another --output")
+
+
+@contextlib.contextmanager
+def _no_empty_folders(path):
+    """Removes the folders on the way to `path` that the block created and left empty.
+
+    The experiment creates its folder with its first file; a run that fails
+    before writing anything (or whose first write fails) leaves nothing behind.
+    """
+    missing = None
+    probe = os.path.abspath(path)
+    while not os.path.lexists(probe):
+        missing, probe = probe, os.path.dirname(probe)
+    try:
+        yield
+    finally:
+        if missing is not None and os.path.isdir(missing):
+            for folder, _, _ in os.walk(missing, topdown=False):
+                with contextlib.suppress(OSError):
+                    os.rmdir(folder)  # only an empty folder goes
 
 
 def _add_training_flags(parser):
     from keras_multigpu.experiment import Config
 
     defaults = Config()
-    parser.add_argument("--output", default=defaults.output, help="directory for the results")
-    parser.add_argument("--epochs", type=_positive_int, default=defaults.epochs)
+    parser.add_argument("--output", default=defaults.output,
+                        help="folder for the results; it must not hold files yet "
+                             "unless --overwrite is given")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="train into an --output that already holds files (by default "
+                             "refused); each file is replaced as the new run writes it")
+    parser.add_argument("--epochs", type=_positive_int, default=defaults.epochs,
+                        help="training epochs")
     parser.add_argument("--data-dir", default=None,
-                        help="CIFAR-10 (cifar-10-batches-py or its parent); "
-                             "else $KERAS_MULTIGPU_DATA, then Keras's cache")
+                        help="CIFAR-10 (cifar-10-batches-py or its parent) (default: "
+                             "$KERAS_MULTIGPU_DATA, then Keras's cache, then a download)")
     parser.add_argument("--limit", type=_positive_int, default=None,
-                        help="use at most this many training and test images")
-    parser.add_argument("--width", type=float, default=defaults.width,
+                        help="use at most this many training and test images (default: all)")
+    parser.add_argument("--width", type=_positive_float, default=defaults.width,
                         help="MiniGoogLeNet width multiplier (1.0 = the paper's)")
     parser.add_argument("--batch-per-device", type=_positive_int,
-                        default=defaults.batch_per_device)
-    parser.add_argument("--lr", type=float, default=defaults.lr, help="initial learning rate")
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--no-augment", dest="augment", action="store_false")
+                        default=defaults.batch_per_device,
+                        help="images per device per step (the global batch is this times "
+                             "the device count)")
+    parser.add_argument("--lr", type=_positive_float, default=defaults.lr,
+                        help="initial learning rate, decaying linearly to 0")
+    parser.add_argument("--seed", type=int, default=defaults.seed, help="random seed")
+    parser.add_argument("--no-augment", dest="augment", action="store_false",
+                        help="train without random shifts and flips (on by default)")
     parser.add_argument("--precision", default=defaults.precision,
-                        choices=["float32", "mixed_bfloat16", "mixed_float16"])
-    parser.add_argument("--target-acc", type=float, default=None,
-                        help="exit with status 1 if the final validation accuracy is lower")
+                        choices=["float32", "mixed_bfloat16", "mixed_float16"],
+                        help="Keras dtype policy")
+    parser.add_argument("--target-acc", type=_fraction, default=None,
+                        help="exit with status 1 if the final validation accuracy is lower "
+                             "(default: no target)")
+    parser.add_argument("--progress", choices=sorted(_PROGRESS), default="auto",
+                        help="Keras's output: a progress bar, one line per epoch, or none; "
+                             "auto: the bar on a terminal, one line per epoch when stdout "
+                             "is piped or redirected")
+
+
+_PROGRESS = {"auto": "auto", "bar": 1, "epoch": 2, "none": 0}
 
 
 def _config(args, gpus, output):
@@ -82,7 +226,13 @@ def _config(args, gpus, output):
 
     fields = {f.name for f in dataclasses.fields(Config)}
     values = {k: v for k, v in vars(args).items() if k in fields}
-    return Config(**{**values, "gpus": gpus, "output": output})
+    config = Config(**{**values, "gpus": gpus, "output": output,
+                       "verbose": _PROGRESS[args.progress]})
+    try:
+        config.validate()
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    return config
 
 
 def cmd_devices(args):
@@ -96,45 +246,81 @@ def cmd_devices(args):
     return 0
 
 
-def _check_target(accuracy, target):
-    if target is not None and (accuracy is None or accuracy < target):
-        print(f"FAILED: final validation accuracy {accuracy} is below --target-acc {target}",
-              file=sys.stderr)
-        return 1
-    return 0
+def _verdict(accuracy, target):
+    """`(text, exit status)` of `--target-acc`; `(None, 0)` without one."""
+    if target is None:
+        return None, 0
+    shown = "none" if accuracy is None else f"{accuracy:.4f}"
+    if accuracy is not None and accuracy >= target:
+        return f"--target-acc {target:g} passed ({shown} >= {target:g})", 0
+    print(f"FAILED: final validation accuracy {shown} is below --target-acc {target:g}",
+          file=sys.stderr)
+    return f"--target-acc {target:g} FAILED ({shown} < {target:g})", EXIT_TARGET_MISSED
+
+
+def _closing(summary, folder, verdict):
+    """The line after a run: its numbers, the `--target-acc` verdict and its files."""
+    from keras_multigpu import experiment
+
+    parts = [experiment.summary_line(summary)]
+    if verdict:
+        parts.append(verdict)
+    parts.append(f"saved in {folder}: {', '.join(experiment.OUTPUT_FILES)}")
+    return "; ".join(parts)
+
+
+def _train_one(config, target):
+    from keras_multigpu import experiment
+
+    with _no_empty_folders(config.output):
+        summary = experiment.run(config)
+    verdict, status = _verdict(summary["final_val_accuracy"], target)
+    print(_closing(summary, config.output, verdict), flush=True)
+    return summary, status
 
 
 def cmd_train(args):
+    config = _config(args, args.gpus, args.output)
+    _check_output(args.output, args.overwrite)
     _prepare_devices(args.gpus)
-    from keras_multigpu import experiment
-
-    summary = experiment.run(_config(args, args.gpus, args.output))
-    print(experiment.summary_line(summary))
-    return _check_target(summary["final_val_accuracy"], args.target_acc)
+    return _train_one(config, args.target_acc)[1]
 
 
 def cmd_compare(args):
+    configs = [_config(args, count, os.path.join(args.output, f"gpus-{count}"))
+               for count in args.gpus]
+    _check_output(args.output, args.overwrite)
     _prepare_devices(max(args.gpus))
-    from keras_multigpu import experiment, plots
+    from keras_multigpu import plots
 
-    runs = []
-    for count in args.gpus:
-        output = os.path.join(args.output, f"gpus-{count}")
-        summary = experiment.run(_config(args, count, output))
-        print(experiment.summary_line(summary))
-        with open(os.path.join(output, "history.json")) as f:
-            runs.append((summary, json.load(f)["epochs"]))
-    base = runs[0][0]["mean_epoch_seconds"]
-    print(f"\n{'devices':>7} {'s/epoch':>9} {'img/s':>9} {'speed-up':>9} {'val_acc':>8}")
-    for summary, _ in runs:
-        print(f"{len(summary['devices']):>7} {summary['mean_epoch_seconds']:>9.2f} "
-              f"{summary['images_per_second']:>9.0f} "
-              f"{base / summary['mean_epoch_seconds']:>9.2f} "
-              f"{summary['final_val_accuracy']:>8.4f}")
-    plots.comparison(runs, os.path.join(args.output, "compare.png"))
-    write_json(os.path.join(args.output, "compare.json"),
-                                 [summary for summary, _ in runs])
-    return max(_check_target(s["final_val_accuracy"], args.target_acc) for s, _ in runs)
+    runs, missed = [], []
+    with _no_empty_folders(args.output):
+        for config in configs:
+            summary, status = _train_one(config, args.target_acc)
+            if status:
+                missed.append(config.gpus)
+            with open(os.path.join(config.output, "history.json")) as f:
+                runs.append((summary, json.load(f)["epochs"]))
+        base = runs[0][0]["mean_epoch_seconds"]
+        print(f"\n{'devices':>7} {'s/epoch':>9} {'img/s':>9} {'speed-up':>9} {'val_acc':>8}")
+        for summary, _ in runs:
+            accuracy = summary["final_val_accuracy"]
+            print(f"{len(summary['devices']):>7} {summary['mean_epoch_seconds']:>9.2f} "
+                  f"{summary['images_per_second']:>9.0f} "
+                  f"{base / summary['mean_epoch_seconds']:>9.2f} "
+                  f"{'-' if accuracy is None else format(accuracy, '.4f'):>8}")
+        plots.comparison(runs, os.path.join(args.output, "compare.png"))
+        write_json(os.path.join(args.output, "compare.json"), [summary for summary, _ in runs])
+    parts = [f"saved in {args.output}: compare.json, compare.png, "
+             + ", ".join(f"gpus-{count}/" for count in args.gpus)]
+    if args.target_acc is not None:
+        if missed:
+            parts.append(f"--target-acc {args.target_acc:g} FAILED with "
+                         f"{', '.join(map(str, missed))} device(s)")
+        else:
+            parts.append(f"--target-acc {args.target_acc:g} passed by every run")
+    print("; ".join(parts))
+    return EXIT_TARGET_MISSED if missed else 0
 
 
 def cmd_bench(args):
@@ -149,7 +335,7 @@ def cmd_bench(args):
     spec = bench.spec(model=args.model, width=args.width, samples=args.samples,
                       epochs=args.epochs, batch_per_device=args.batch_per_device,
                       precision=args.precision, fit_calls=args.fit_calls,
-                      fit_epochs=args.fit_epochs)
+                      fit_epochs=args.fit_epochs, placement=args.placement)
     results = bench.run(setups, spec, rounds=args.rounds, output=args.output,
                         timeout=args.timeout, step_ms=args.step_ms)
     print(bench.format_table(results))
@@ -160,51 +346,80 @@ def build_parser():
     parser = argparse.ArgumentParser(
         prog="keras-multigpu",
         description="Train Keras 3 models on every device of this machine.",
+        epilog="Exit status: 0 done; 1 a run ended below --target-acc; 2 a bad flag, data "
+               "folder or --output; 130 stopped by Ctrl-C (train and compare keep the "
+               "epochs done: they write their files after every epoch).",
+        formatter_class=_Formatter,
     )
     parser.add_argument("-v", "--verbose", dest="log_info", action="store_true",
-                        help="log more (the progress bar is always shown)")
+                        help="log at INFO level (default: warnings only); Keras's output "
+                             "is set by --progress")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    devices = sub.add_parser("devices", help="list the devices (starts no framework)")
-    devices.add_argument("--json", action="store_true")
+    def command(name, text):
+        return sub.add_parser(name, help=text, description=text, formatter_class=_Formatter)
+
+    devices = command("devices", "list the devices (starts no framework)")
+    devices.add_argument("--json", action="store_true",
+                         help="print JSON instead of a table (default: a table)")
     devices.set_defaults(func=cmd_devices)
 
-    train = sub.add_parser("train", help="the MiniGoogLeNet CIFAR-10 experiment")
-    train.add_argument("--gpus", type=_positive_int, default=None,
-                       help="devices to use (default: all; on a CPU-only machine, "
-                            "this many virtual CPU devices)")
+    train = command("train", "the MiniGoogLeNet CIFAR-10 experiment")
+    train.add_argument("--gpus", type=_gpus, default=None,
+                       help="devices, as multi_gpu_model(gpus=...): a count (0 and 1 both "
+                            "mean one device), a list of ids such as 0,2, or 'all' "
+                            "(default: all; on a CPU-only machine, a count asks for that "
+                            "many virtual CPU devices)")
     _add_training_flags(train)
     train.set_defaults(func=cmd_train)
 
-    compare = sub.add_parser("compare", help="the experiment at several device counts")
-    compare.add_argument("--gpus", type=_gpu_list, default=[1, 2], help="e.g. 1,2,4")
+    compare = command("compare", "the experiment at several device counts")
+    compare.add_argument("--gpus", type=_gpu_list, default=[1, 2],
+                         help="device counts to compare, e.g. 1,2,4; run N goes to "
+                              "OUTPUT/gpus-N (default: 1,2)")
     _add_training_flags(compare)
     compare.set_defaults(func=cmd_compare)
 
-    bench = sub.add_parser("bench", help="throughput of ours, plain Keras and the peers")
+    bench = command("bench", "throughput of ours, plain Keras and the peers")
     bench.add_argument("--setups", default=None,
                        help="e.g. plain-1,ours-1,ours-2,dataparallel-2,mirrored-2 "
                             "(default: all at 1..--devices)")
     bench.add_argument("--devices", type=_positive_int, default=None,
                        help="largest device count (default: all GPUs, or 2 virtual CPUs)")
-    bench.add_argument("--model", choices=["minigooglenet", "dense"], default="minigooglenet")
-    bench.add_argument("--width", type=float, default=0.25)
-    bench.add_argument("--samples", type=_positive_int, default=2048)
+    bench.add_argument("--model", choices=["minigooglenet", "dense"], default="minigooglenet",
+                       help="the model timed")
+    bench.add_argument("--width", type=_positive_float, default=0.25,
+                       help="MiniGoogLeNet width multiplier")
+    bench.add_argument("--samples", type=_positive_int, default=2048,
+                       help="training images per epoch")
     bench.add_argument("--epochs", type=_positive_int, default=3, help="timed epochs per run")
-    bench.add_argument("--batch-per-device", type=_positive_int, default=64)
+    bench.add_argument("--batch-per-device", type=_positive_int, default=64,
+                       help="images per device per step")
     bench.add_argument("--fit-calls", type=_count, default=3,
                        help="whole fit calls timed after the warm-up fit (0: none)")
     bench.add_argument("--fit-epochs", type=_positive_int, default=1,
                        help="epochs per timed fit call")
-    bench.add_argument("--rounds", type=_positive_int, default=3)
+    bench.add_argument("--placement", choices=["auto", "resident", "host"], default="auto",
+                       help="where our setups keep array data: within the budget (auto), on "
+                            "every device, or on the host with prefetch")
+    bench.add_argument("--rounds", type=_positive_int, default=3,
+                       help="rounds over all setups")
     bench.add_argument("--precision", default="float32",
-                       choices=["float32", "mixed_bfloat16", "mixed_float16"])
-    bench.add_argument("--step-ms", type=float, default=None,
-                       help="project scaling from this one-device step time instead")
-    bench.add_argument("--timeout", type=float, default=900, help="seconds per worker")
-    bench.add_argument("--output", default="runs/bench")
+                       choices=["float32", "mixed_bfloat16", "mixed_float16"],
+                       help="Keras dtype policy")
+    bench.add_argument("--step-ms", type=_positive_float, default=None,
+                       help="project scaling from this one-device step time instead "
+                            "(default: measure)")
+    bench.add_argument("--timeout", type=_positive_float, default=900,
+                       help="seconds per worker")
+    bench.add_argument("--output", default="runs/bench", help="folder for the results")
     bench.set_defaults(func=cmd_bench)
     return parser
+
+
+def _report(command, what, error):
+    notes = [what, *getattr(error, "__notes__", ())]
+    print(f"keras-multigpu {command}: " + "; ".join(notes), file=sys.stderr)
 
 
 def main(argv=None):
@@ -213,9 +428,12 @@ def main(argv=None):
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except (FileNotFoundError, ValueError, TypeError) as error:
-        print(f"keras-multigpu {args.command}: error: {error}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt as error:
+        _report(args.command, "interrupted", error)
+        return EXIT_INTERRUPTED
+    except (UsageError, OSError, ValueError, TypeError) as error:
+        _report(args.command, f"error: {error}", error)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -3,13 +3,15 @@
 Reproduces the post this project started from (70 epochs, 64 images per
 device per step, SGD with momentum 0.9 from 5e-3 decaying linearly to 0,
 random shifts and flips, mean subtraction) and writes what it showed:
-`plot.png`, `history.json` and the trained `model.keras`.
+`plot.png`, `history.json` and the trained `model.keras`, after every epoch,
+so that a crash or a Ctrl-C keeps the epochs already done.
 """
 
 import dataclasses
 import logging
 import math
 import os
+import sys
 import time
 
 import keras
@@ -47,8 +49,18 @@ class Config:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer. Received: {name}={value!r}.")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0. Received: lr={self.lr!r}.")
+        for name in ("lr", "width"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                0 < value < math.inf
+            ):
+                raise ValueError(
+                    f"{name} must be a positive finite number. Received: {name}={value!r}."
+                )
+        if self.verbose not in ("auto", 0, 1, 2):
+            raise ValueError(
+                f"verbose must be 'auto', 0, 1 or 2. Received: verbose={self.verbose!r}."
+            )
         if self.precision not in ("float32", "mixed_bfloat16", "mixed_float16"):
             raise ValueError(
                 "precision must be float32, mixed_bfloat16 or mixed_float16. "
@@ -84,50 +96,23 @@ def save_model(model, path):
         model.save(tmp)
 
 
-def run(config):
-    """Trains once; writes plot.png, history.json and model.keras into `config.output`.
+OUTPUT_FILES = ("model.keras", "history.json", "plot.png")
 
-    Returns:
-        The summary dict that `history.json` holds (without the per-epoch list).
-    """
-    config.validate()
-    os.makedirs(config.output, exist_ok=True)
-    keras.utils.set_random_seed(config.seed)
-    keras.config.set_dtype_policy(config.precision)
-    (x_train, y_train), (x_test, y_test) = data_lib.load_cifar10(config.data_dir, config.limit)
-    x_train, x_test = x_train.astype("float32"), x_test.astype("float32")
-    mean = x_train.mean(axis=0)
-    y_train, y_test = (keras.utils.to_categorical(y, 10) for y in (y_train, y_test))
 
-    template, saved_model = build_models(mean, config.width, config.augment, config.seed)
-    parallel = multi_gpu_model(template, gpus=config.gpus)
-    batch_size = config.batch_per_device * parallel.num_replicas
-    steps = math.ceil(len(x_train) / batch_size) * config.epochs
-    schedule = keras.optimizers.schedules.PolynomialDecay(config.lr, steps, 0.0, power=1.0)
-    parallel.compile(
-        optimizer=keras.optimizers.SGD(schedule, momentum=config.momentum),
-        loss="categorical_crossentropy",
-        metrics=["accuracy"],
-    )
-    logger.info("Training on %s, global batch %d", parallel.devices, batch_size)
-    started = time.perf_counter()
-    history = parallel.fit(
-        x_train, y_train, batch_size=batch_size, epochs=config.epochs,
-        validation_data=(x_test, y_test), verbose=config.verbose,
-        callbacks=[callbacks_lib.EpochStats(len(x_train))],
-    )
-    total = time.perf_counter() - started
-    save_model(saved_model, os.path.join(config.output, "model.keras"))
-    keras.config.set_dtype_policy("float32")
+def keras_verbose(verbose):
+    """Keras's `verbose` for `fit`: "auto" is a progress bar on a terminal, else one line
+    per epoch (a piped or redirected log gets no progress-bar escapes)."""
+    if verbose == "auto":
+        isatty = getattr(sys.stdout, "isatty", None)
+        return 1 if isatty is not None and isatty() else 2
+    return verbose
 
-    epochs = [
-        {"epoch": i + 1, **{k: float(v[i]) for k, v in history.history.items()}}
-        for i in range(len(history.epoch))
-    ]
+
+def _summarize(config, parallel, template, x_train, x_test, batch_size, epochs, total):
     seconds = [e["seconds"] for e in epochs]
     # The first epoch includes compilation: the steady state excludes it.
     steady = seconds[1:] or seconds
-    summary = {
+    return {
         "config": dataclasses.asdict(config),
         "devices": [str(d) for d in parallel.devices],
         "device_names": sorted({d.name for d in parallel.devices}),
@@ -142,11 +127,85 @@ def run(config):
         "final_val_accuracy": epochs[-1].get("val_accuracy"),
         "final_val_loss": epochs[-1].get("val_loss"),
     }
-    write_json(os.path.join(config.output, "history.json"), {**summary, "epochs": epochs})
+
+
+def _kept(output, saved, planned):
+    if not saved:
+        return "nothing was saved: the first epoch had not ended"
+    return (f"{output} keeps {saved} of {planned} epoch(s) "
+            f"({', '.join(OUTPUT_FILES)}, written after each epoch)")
+
+
+def run(config):
+    """Trains once; writes plot.png, history.json and model.keras into `config.output`.
+
+    The three files are written (atomically) after every epoch, so a run that
+    crashes or is interrupted keeps the epochs it finished: `history.json`
+    then says `"complete": false`. The folder is created with the first file.
+    An exception leaving training gets a note (`add_note`) saying what was kept.
+
+    Returns:
+        The summary dict that `history.json` holds (without the per-epoch list).
+    """
     from keras_multigpu import plots
 
-    plots.training_curves(epochs, summary, os.path.join(config.output, "plot.png"))
-    return summary
+    config.validate()
+    keras.utils.set_random_seed(config.seed)
+    keras.config.set_dtype_policy(config.precision)
+    try:
+        (x_train, y_train), (x_test, y_test) = data_lib.load_cifar10(
+            config.data_dir, config.limit
+        )
+        if not len(x_train) or not len(x_test):
+            raise ValueError(
+                f"The data holds {len(x_train)} training and {len(x_test)} test images; "
+                "training needs at least one of each. Check --data-dir."
+            )
+        x_train, x_test = x_train.astype("float32"), x_test.astype("float32")
+        mean = x_train.mean(axis=0)
+        y_train, y_test = (keras.utils.to_categorical(y, 10) for y in (y_train, y_test))
+
+        template, saved_model = build_models(mean, config.width, config.augment, config.seed)
+        parallel = multi_gpu_model(template, gpus=config.gpus)
+        batch_size = config.batch_per_device * parallel.num_replicas
+        steps = math.ceil(len(x_train) / batch_size) * config.epochs
+        if steps < 1:
+            raise ValueError(
+                f"{len(x_train)} training images in batches of {batch_size} for "
+                f"{config.epochs} epoch(s) make {steps} steps; training needs at least one."
+            )
+        schedule = keras.optimizers.schedules.PolynomialDecay(config.lr, steps, 0.0, power=1.0)
+        parallel.compile(
+            optimizer=keras.optimizers.SGD(schedule, momentum=config.momentum),
+            loss="categorical_crossentropy",
+            metrics=["accuracy"],
+        )
+        logger.info("Training on %s, global batch %d", parallel.devices, batch_size)
+        paths = {name: os.path.join(config.output, name) for name in OUTPUT_FILES}
+
+        def write(epochs, complete):
+            summary = _summarize(config, parallel, template, x_train, x_test, batch_size,
+                                 epochs, time.perf_counter() - started)
+            save_model(saved_model, paths["model.keras"])
+            write_json(paths["history.json"], {**summary, "complete": complete,
+                                               "epochs": epochs})
+            plots.training_curves(epochs, summary, paths["plot.png"])
+            return summary
+
+        recorder = callbacks_lib.EpochRecorder(lambda epochs: write(epochs, False))
+        started = time.perf_counter()
+        try:
+            parallel.fit(
+                x_train, y_train, batch_size=batch_size, epochs=config.epochs,
+                validation_data=(x_test, y_test), verbose=keras_verbose(config.verbose),
+                callbacks=[callbacks_lib.EpochStats(len(x_train)), recorder],
+            )
+            return write(recorder.epochs, True)
+        except BaseException as error:
+            error.add_note(_kept(config.output, recorder.saved, config.epochs))
+            raise
+    finally:
+        keras.config.set_dtype_policy("float32")
 
 
 def summary_line(summary):
@@ -157,5 +216,9 @@ def summary_line(summary):
         f"epoch={summary['mean_epoch_seconds']:.2f}s "
         f"({summary['images_per_second']:.0f} img/s, first epoch "
         f"{summary['first_epoch_seconds']:.1f}s) "
-        f"val_accuracy={summary['final_val_accuracy']:.4f}"
+        f"val_accuracy={_number(summary['final_val_accuracy'])}"
     )
+
+
+def _number(value):
+    return "-" if value is None else f"{value:.4f}"
