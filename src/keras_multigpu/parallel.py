@@ -237,7 +237,7 @@ class ParallelModel(keras.Model):
         free = self._backend.free_memory(self._devices)
         if any(f is None for f in free):
             return RESIDENT_LIMIT_BYTES
-        return min(RESIDENT_LIMIT_BYTES, int(RESIDENT_FRACTION * min(free)))
+        return min(RESIDENT_LIMIT_BYTES, RESIDENT_FRACTION * min(free))
 
     def _place(self, arrays):
         """Keeps array data on the devices when it fits the budget (see README)."""
