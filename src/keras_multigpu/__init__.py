@@ -16,7 +16,7 @@ devices.
 
 import os as _os
 
-# The JAX engine is the one that works today; Keras would otherwise pick
+# JAX is the exact engine (see the README's backend table); Keras would otherwise pick
 # TensorFlow. An explicit KERAS_BACKEND, or a Keras already imported, wins.
 _os.environ.setdefault("KERAS_BACKEND", "jax")
 

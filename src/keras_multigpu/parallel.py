@@ -57,7 +57,15 @@ def multi_gpu_model(model, gpus=None):
             "multi_gpu_model expects a keras.Model (Sequential, Functional or "
             f"subclassed). Received: model of type {type(model).__name__}."
         )
+    if keras.distribution.distribution() is not None:
+        raise RuntimeError(
+            "A keras.distribution is set globally ("
+            f"{type(keras.distribution.distribution()).__name__}), and multi_gpu_model "
+            "distributes the model itself. Remove the keras.distribution.set_distribution(...) "
+            "call, or train without multi_gpu_model."
+        )
     backend = backends.current()
+    backend.check_model(model)
     chosen = devices_lib.select(gpus, backend.list_devices())
     return ParallelModel(model, chosen)
 
@@ -103,12 +111,17 @@ class ParallelModel(keras.Model):
     """
 
     def __init__(self, template, devices):
-        super().__init__(name=template.name)
+        backend = backends.current()
+        distribution = backend.make_distribution(tuple(devices))
+        # Built in the engine's scope: TensorFlow's trainer takes its strategy from it.
+        with backend.scope(distribution):
+            super().__init__(name=template.name)
         self.template = template
         self._devices = tuple(devices)
-        self._backend = backends.current()
-        self._distribution = self._backend.make_distribution(self._devices)
+        self._backend = backend
+        self._distribution = distribution
         self._synced_compile = None
+        self._active = 0  # calls under way (`_placed`)
         if template.built:
             self.built = True
         self._sync_compile()
@@ -139,27 +152,43 @@ class ParallelModel(keras.Model):
     def get_metrics_result(self):
         return self.template.get_metrics_result()
 
-    def _replicate_state(self):
+    def _state(self):
         variables = list(self.template.variables) + list(self.metrics_variables)
-        if getattr(self, "optimizer", None) is not None:
+        optimizer = getattr(self, "optimizer", None)
+        if optimizer is not None:
             # Includes the iteration count and learning rate, which exist
             # before the optimizer is built.
-            variables += list(self.optimizer.variables)
-        self._backend.replicate(variables, self._distribution)
+            variables += list(optimizer.variables)
+        return variables, optimizer
+
+    def _replicate_state(self):
+        variables, optimizer = self._state()
+        self._backend.replicate(variables, self._distribution, optimizer=optimizer)
+
+    def _scope(self):
+        return self._backend.scope(self._distribution)
 
     @contextlib.contextmanager
     def _placed(self):
         """The distribution scope, with every existing variable replicated."""
-        with self._distribution.scope():
-            self._replicate_state()
-            yield
+        self._active += 1
+        try:
+            with self._scope():
+                self._replicate_state()
+                yield
+        finally:
+            self._active -= 1
+            if not self._active:
+                variables, optimizer = self._state()
+                self._backend.release(variables, self._distribution, optimizer=optimizer)
 
     def reset_metrics(self):
         # Keras resets metrics at every epoch and evaluate with fresh arrays on
         # the default device; put them back on the mesh so that the compiled
         # step sees the placement it was compiled for.
         self.template.reset_metrics()
-        self._backend.replicate(self.metrics_variables, self._distribution)
+        if self._active:
+            self._backend.replicate(self.metrics_variables, self._distribution)
 
     def _symbolic_build(self, iterator=None, data_batch=None):
         # The template builds itself, its compiled loss and metrics and its
@@ -179,6 +208,15 @@ class ParallelModel(keras.Model):
         self.built = True
         if building:  # new variables: `_placed` replicated those that existed
             self._replicate_state()
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # Trainers that build before tracing (TensorFlow's) call this. The
+        # batch is described by the engine, not read, so that shuffling draws
+        # what one device's `fit` draws.
+        if iterator is not None and data_batch is None:
+            data_batch = self._backend.batch_spec(iterator)
+        with self._scope():
+            self._symbolic_build(data_batch=data_batch)
 
     # -- compile ---------------------------------------------------------
 
@@ -205,11 +243,11 @@ class ParallelModel(keras.Model):
         if not getattr(template, "compiled", False) or config is self._synced_compile:
             return
         _check_gradient_accumulation(template.optimizer)
-        with self._distribution.scope():
+        with self._scope():
             super().compile(
                 optimizer=template.optimizer,
                 steps_per_execution=template.steps_per_execution,
-                jit_compile=template.jit_compile,
+                jit_compile=self._backend.jit_compile(template.jit_compile),
                 run_eagerly=template.run_eagerly,
             )
         self._synced_compile = config
@@ -218,17 +256,17 @@ class ParallelModel(keras.Model):
 
     def train_step(self, *args):
         *state, data = args
-        result = self.template.train_step(*state, self._backend.untag(data))
+        result = self._backend.run_step(lambda rows: self.template.train_step(*state, rows), data)
         return _checked_step_result(self.template, "train_step", result, bool(state))
 
     def test_step(self, *args):
         *state, data = args
-        result = self.template.test_step(*state, self._backend.untag(data))
+        result = self._backend.run_step(lambda rows: self.template.test_step(*state, rows), data)
         return _checked_step_result(self.template, "test_step", result, bool(state))
 
     def predict_step(self, *args):
         *state, data = args
-        return self.template.predict_step(*state, self._backend.untag(data))
+        return self._backend.run_step(lambda rows: self.template.predict_step(*state, rows), data)
 
     # -- training and inference -----------------------------------------
 

@@ -11,8 +11,16 @@ Every backend module defines the names in `API`:
   (this starts the framework).
 - `make_distribution(devices)`: the engine object that replicates variables
   and splits each batch over `devices`.
-- `replicate(variables, distribution)`: place existing variables on every
-  device of `distribution` (models are usually built before it exists).
+- `check_model(model)`: refuse a model the engine cannot take over (one
+  that another engine's scope owns).
+- `scope(distribution)`: a context manager in which the engine's steps run
+  and new variables are created replicated.
+- `jit_compile(value)`: the `jit_compile` the engine's steps can take.
+- `replicate(variables, distribution, optimizer=None)`: place existing
+  variables on every device of `distribution` (models are usually built
+  before it exists), and point `optimizer` at the engine.
+- `release(variables, distribution, optimizer=None)`: at the end of a
+  call, leave the variables usable by the model alone (outside the engine).
 - `resident(arrays, distribution)`: place a dataset on the devices once and
   return `take(index)`, which gathers a batch there, already split.
 - `shard(arrays, distribution)`: place one host batch on the devices, split
@@ -24,6 +32,13 @@ Every backend module defines the names in `API`:
 - `untag(data)`: inside the compiled step, the real rows of a tagged batch
   (any other data unchanged), so that the model's own step sees exactly the
   rows one device would.
+- `run_step(step, data)`: inside the compiled step, call the model's own
+  `step` on the real rows of `data`, with whatever the engine needs around
+  it to make the result one device's (the TensorFlow engine weighs each
+  replica's reductions there).
+- `batch_spec(iterator)`: for trainers that build before tracing
+  (TensorFlow's), the batch structure as KerasTensors, without reading a
+  batch (None where the engine reads one itself).
 - `process_index()`, `process_count()`: this host's rank and the host count.
 """
 
@@ -36,12 +51,18 @@ API = (
     "configure_cpu_devices",
     "list_devices",
     "make_distribution",
+    "check_model",
+    "scope",
+    "jit_compile",
     "replicate",
+    "release",
     "resident",
     "shard",
     "free_memory",
     "tag",
     "untag",
+    "run_step",
+    "batch_spec",
     "process_index",
     "process_count",
 )

@@ -69,7 +69,20 @@ def make_distribution(devices):
     return keras.distribution.DataParallel(devices=[_jax_device(d) for d in devices])
 
 
-def replicate(variables, distribution):
+def check_model(model):
+    """Any Keras model can be distributed here."""
+
+
+def scope(distribution):
+    """Keras's distribution scope: variables and batches are laid out on the mesh."""
+    return distribution.scope()
+
+
+def jit_compile(value):
+    return value  # one program for the whole mesh: XLA as the model asks
+
+
+def replicate(variables, distribution, optimizer=None):
     mesh = distribution.device_mesh.backend_mesh
     target = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     stale = []
@@ -92,6 +105,10 @@ def replicate(variables, distribution):
         # to its old devices on assignment; this placement supersedes it.
         variable._layout = None
         variable.assign(value)
+
+
+def release(variables, distribution, optimizer=None):
+    """Nothing to undo: replicated arrays serve the model on one device too."""
 
 
 @functools.cache
@@ -223,6 +240,16 @@ def _head(array, rows):
     if isinstance(array, keras.KerasTensor):  # Keras's symbolic build
         return keras.KerasTensor((rows, *array.shape[1:]), array.dtype)
     return array[:rows]
+
+
+def run_step(step, data):
+    """Runs `step` (the model's own) on the real rows of `data`, once for the whole mesh."""
+    return step(untag(data))
+
+
+def batch_spec(iterator):
+    """Not used: Keras's JAX trainer reads its build batch itself (`_symbolic_build`)."""
+    return None
 
 
 def process_index():

@@ -1,15 +1,582 @@
-"""The tensorflow engine is not built yet: every entry point says so clearly."""
+"""TensorFlow engine: replica functions through tf.distribute.MirroredStrategy.
 
-from keras_multigpu.backends._unsupported import unsupported
+Each replica runs the model's own step on its part of the global batch, and
+the strategy all-reduces (NCCL on GPUs; on CPU devices, through one device).
+A replica sees only its rows, so exactness cannot come from a global view.
+It comes from one rule, kept by every reduction a step makes:
 
-configure_cpu_devices = unsupported("tensorflow", "configure_cpu_devices", quiet=True)
-list_devices = unsupported("tensorflow", "list_devices")
-make_distribution = unsupported("tensorflow", "make_distribution")
-replicate = unsupported("tensorflow", "replicate")
-resident = unsupported("tensorflow", "resident")
-shard = unsupported("tensorflow", "shard")
-free_memory = unsupported("tensorflow", "free_memory")
-tag = unsupported("tensorflow", "tag")
-untag = unsupported("tensorflow", "untag")
-process_index = unsupported("tensorflow", "process_index")
-process_count = unsupported("tensorflow", "process_count")
+    one device's value = sum over replicas r of (k_r / n) * value_r
+
+where k_r is replica r's real rows and n the global batch's. A replica's
+value is what one device would compute on its k_r rows (a mean over them),
+so the weighted sum is the mean over all n rows. Inside `run_step`:
+
+- gradients are all-reduced with the weights k_r / n, once, before the
+  optimizer clips, accumulates or applies them (Keras's own sum is then
+  skipped), so a custom `train_step` with its own mean loss is exact;
+- Keras's 1/R loss scaling is off (the weights replace it); losses that
+  are not plain means (`reduction="sum"`, masks, `mean_with_sample_weight`)
+  are rescaled so that the rule holds for them too;
+- a scalar `Mean` metric update without a weight (the loss trackers of a
+  custom step, per-output losses) is weighted by k_r / n;
+- BatchNormalization's moments are the global batch's: sums over the real
+  rows of every replica, all-reduced (masks included);
+- per-row metrics need nothing: their sums are all-reduced as Keras's are.
+
+A padded batch travels with one marker row per row (`tag`): whether the row
+is real, and n. Real rows are dealt to replicas in contiguous runs that
+differ by at most one, so only a batch smaller than the device count leaves
+a replica with none; that replica runs on zero rows and weighs nothing.
+
+The user's model is built outside any strategy. For the length of each
+call its variables are swapped for mirrored ones (same values, same
+`keras.Variable` objects), and swapped back, holding the trained values,
+when it ends: the trained model is the user's own, and trains, saves, loads
+and predicts on its own as any Keras model.
+"""
+
+import contextlib
+import functools
+import threading
+import warnings
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras import tree
+from keras.src.backend.tensorflow import optimizer as tf_optimizer
+from keras.src.layers.normalization import batch_normalization
+from keras.src.losses import loss as loss_module
+from keras.src.metrics import reduction_metrics
+
+from keras_multigpu.devices import CPU_DEVICES_ENV, Device, cpu_device_count
+
+# Inside a replica's step: (k, n) as float32 tensors; None elsewhere.
+_replica = threading.local()
+
+
+def configure_cpu_devices(count):
+    """Splits the host CPU into `count` logical devices, if TensorFlow has not started."""
+    cpus = tf.config.list_physical_devices("CPU")
+    config = [tf.config.LogicalDeviceConfiguration() for _ in range(count)]
+    try:
+        tf.config.set_logical_device_configuration(cpus[0], config)
+        return True
+    except RuntimeError:  # the runtime is initialised: the count is fixed
+        have = len(tf.config.list_logical_devices("CPU"))
+        if have != count:
+            warnings.warn(
+                f"TensorFlow had already started with {have} CPU device(s), so {count} could "
+                f"not be configured. Set {CPU_DEVICES_ENV} (or import keras_multigpu) before "
+                "anything runs a TensorFlow operation.",
+                stacklevel=3,
+            )
+        return have == count
+
+
+def list_devices():
+    gpus = tf.config.list_logical_devices("GPU")
+    if gpus:
+        return [Device(i, "gpu", "GPU") for i in range(len(gpus))]
+    cpus = tf.config.list_logical_devices("CPU")
+    wanted = cpu_device_count()
+    if wanted and wanted != len(cpus):
+        raise RuntimeError(
+            f"{CPU_DEVICES_ENV}={wanted}, but TensorFlow started with {len(cpus)} CPU "
+            f"device(s): it fixes its devices when it first runs an operation. Set "
+            f"{CPU_DEVICES_ENV} before the program starts (or import keras_multigpu before "
+            "anything runs in TensorFlow)."
+        )
+    name = "CPU" if len(cpus) == 1 else "virtual CPU"
+    return [Device(i, "cpu", name) for i in range(len(cpus))]
+
+
+@functools.cache
+def _strategy(names):
+    """One MirroredStrategy per device set, for the life of the process.
+
+    Each strategy numbers its collective groups from its own base: two
+    strategies that both started at 1 would join different device sets
+    under one group key, which TensorFlow aborts.
+    """
+    base = tf.distribute.MirroredStrategy._collective_key_base
+    tf.distribute.MirroredStrategy._collective_key_base = 1000 * (_strategy.cache_info().currsize
+                                                                  + 1)
+    try:
+        return tf.distribute.MirroredStrategy(list(names))
+    finally:
+        tf.distribute.MirroredStrategy._collective_key_base = base
+
+
+class Engine:
+    """A MirroredStrategy over `devices`."""
+
+    def __init__(self, devices):
+        self.devices = tuple(devices)
+        self.strategy = _strategy(tuple(f"/device:{d.kind.upper()}:{d.id}" for d in devices))
+
+    def scope(self):
+        return scope(self)
+
+
+def make_distribution(devices):
+    if tf.distribute.has_strategy():
+        owner = type(tf.distribute.get_strategy()).__name__
+        raise RuntimeError(
+            f"multi_gpu_model was called inside the scope of {owner}. keras_multigpu runs its "
+            "own tf.distribute strategy: build the model and call multi_gpu_model outside any "
+            "strategy.scope()."
+        )
+    return Engine(devices)
+
+
+def check_model(model):
+    """Refuses a model that another tf.distribute strategy owns."""
+    owner = getattr(model, "_distribute_strategy", None)
+    if owner is not None:
+        raise ValueError(
+            f"The model {model.name!r} was built inside the scope of {type(owner).__name__}, "
+            "which owns its variables. Build it outside any strategy.scope() and pass it to "
+            "multi_gpu_model, which distributes it itself."
+        )
+
+
+@contextlib.contextmanager
+def scope(distribution):
+    """The strategy's scope, with the exactness rules of this module in force."""
+    with distribution.strategy.scope(), _rules():
+        yield
+
+
+def jit_compile(value):
+    """XLA off: replicas see batches of varying size (Keras disables it under tf.distribute)."""
+    return False
+
+
+# -- variables ------------------------------------------------------------
+
+
+def _aggregation(variable):
+    aggregation = variable._map_aggregation(variable.aggregation)
+    if aggregation == tf.VariableAggregation.NONE and not variable.trainable:
+        # Assigned inside replicas (BatchNormalization statistics, seed
+        # states): every replica computes the same value; take the first's.
+        return tf.VariableAggregation.ONLY_FIRST_REPLICA
+    return aggregation
+
+
+def _mirrored_for(value, strategy):
+    return (isinstance(value, tf.distribute.DistributedValues)
+            and value._distribute_strategy is strategy)
+
+
+def _as_tensor(value):
+    if isinstance(value, tf.distribute.DistributedValues):
+        return tf.convert_to_tensor(value)
+    return value.read_value()
+
+
+def _reindex(optimizer):
+    """The optimizer finds a variable's slots by its TF variable's id: renew the index."""
+    if optimizer is not None and optimizer.built:
+        optimizer._trainable_variables_indices = {
+            optimizer._var_key(v): i for i, v in enumerate(optimizer._trainable_variables)
+        }
+
+
+def replicate(variables, distribution, optimizer=None):
+    """Puts each variable's value on every device of `distribution`, for one call.
+
+    The `keras.Variable` objects stay the same; only the TensorFlow variable
+    behind each is swapped for a mirrored one (kept per strategy, so that
+    compiled steps stay valid from call to call) holding the same value.
+    `release` swaps the plain ones back at the end of the call.
+    """
+    strategy = distribution.strategy
+    swapped = False
+    for variable in variables:
+        value = variable._value
+        if value is None:
+            continue  # not initialised yet: it will be created in scope
+        mirrors = variable.__dict__.setdefault("_keras_multigpu_mirrors", {})
+        mirrored = mirrors.get(strategy)
+        if value is mirrored:
+            continue
+        if not isinstance(value, tf.distribute.DistributedValues):
+            variable._keras_multigpu_plain = value
+        current = _as_tensor(value)
+        if mirrored is None:
+            with strategy.scope():
+                mirrored = tf.Variable(
+                    current, trainable=variable.trainable, name=variable.name,
+                    aggregation=_aggregation(variable),
+                    synchronization=variable._map_synchronization(variable.synchronization),
+                )
+            mirrors[strategy] = mirrored
+        else:
+            with strategy.scope():
+                mirrored.assign(current)
+        variable._value = mirrored
+        swapped = True
+    if optimizer is not None:
+        optimizer._distribution_strategy = strategy
+        if swapped:
+            _reindex(optimizer)
+
+
+def release(variables, distribution, optimizer=None):
+    """Swaps plain variables, holding the trained values, back in after a call.
+
+    The user's model then trains, predicts and saves on its own, outside any
+    strategy, as if it had never been distributed.
+    """
+    strategy = distribution.strategy
+    for variable in variables:
+        value = variable._value
+        if not isinstance(value, tf.distribute.DistributedValues):
+            continue
+        if not _mirrored_for(value, strategy):
+            continue
+        # Created in the strategy's scope (the optimizer's slots): keep it for
+        # the next call, and give the variable a plain twin.
+        variable.__dict__.setdefault("_keras_multigpu_mirrors", {})[strategy] = value
+        plain = variable.__dict__.get("_keras_multigpu_plain")
+        current = tf.convert_to_tensor(value)
+        if plain is None:
+            with tf.init_scope():
+                plain = tf.Variable(current, trainable=variable.trainable, name=variable.name,
+                                    aggregation=value.aggregation,
+                                    synchronization=variable._map_synchronization(
+                                        variable.synchronization))
+            variable._keras_multigpu_plain = plain
+        else:
+            plain.assign(current)
+        variable._value = plain
+    if optimizer is not None:
+        optimizer._distribution_strategy = tf.distribute.get_strategy()
+        _reindex(optimizer)
+
+
+# -- data -----------------------------------------------------------------
+
+
+def resident(arrays, distribution):
+    """Declined: TensorFlow's input pipeline places and splits every batch itself."""
+    return None
+
+
+def shard(arrays, distribution):
+    return arrays  # the strategy's distributed dataset splits and copies it
+
+
+def free_memory(devices):
+    return [None] * len(devices)  # TensorFlow reports memory in use, not free
+
+
+_BATCH, _ROWS = "keras_multigpu_batch", "keras_multigpu_rows"
+
+
+def _deal(rows, replicas):
+    """Row order of a padded batch: each replica's real rows, then its padding.
+
+    >>> _deal(5, 4).tolist()   # replicas get [0, 1], [2, 0*], [3, 0*], [4, 0*]
+    [0, 1, 2, 0, 3, 0, 4, 0]
+    """
+    per = -(-rows // replicas)
+    counts = [rows // replicas + (r < rows % replicas) for r in range(replicas)]
+    order, start = [], 0
+    for count in counts:
+        real = list(range(start, start + count))
+        order += real + [real[0] if real else 0] * (per - count)
+        start += count
+    return np.asarray(order), np.repeat(counts, per) > np.tile(np.arange(per), replicas)
+
+
+def tag(batch, rows, replicas):
+    """The padded `batch` (real rows first) reordered for the replicas, with a marker per row.
+
+    Returns `(tagged,)`, as the JAX engine's: Keras takes it for an `(x,)`
+    batch and hands it to the step whole; the strategy splits every part.
+    """
+    size = len(tree.flatten(batch)[0]) if tree.flatten(batch) else 0
+    if size % replicas:
+        raise ValueError(f"A padded batch of {size} rows does not divide over {replicas}.")
+    order, real = _deal(rows, replicas)
+    dealt = tree.map_structure(lambda a: None if a is None else np.asarray(a)[order], batch)
+    marker = np.stack([real.astype("int32"), np.full(size, rows, "int32")], axis=1)
+    return ({_BATCH: dealt, _ROWS: marker},)
+
+
+def _tagged(data):
+    return isinstance(data, dict) and data.keys() == {_BATCH, _ROWS}
+
+
+def _unwrap(data):
+    if isinstance(data, tuple) and data and _tagged(data[0]):
+        if any(part is not None for part in data[1:]):
+            raise ValueError("A tagged batch must travel alone.")
+        return data[0]
+    return data
+
+
+def untag(data):
+    """The real rows of this replica's part of a tagged batch, else `data` itself."""
+    data = _unwrap(data)
+    if not _tagged(data):
+        return data
+    batch, marker = data[_BATCH], data[_ROWS]
+    if isinstance(marker, keras.KerasTensor):  # a symbolic build: shapes only
+        return batch
+    real = tf.reduce_sum(marker[:, 0])
+    return tree.map_structure(lambda a: None if a is None else a[:real], batch)
+
+
+def _counts(data):
+    """(k, n) of this replica, as float32 tensors."""
+    data = _unwrap(data)
+    if _tagged(data):
+        marker = data[_ROWS]
+        # Every replica's part holds at least one marker row, so n is read there.
+        return (tf.cast(tf.reduce_sum(marker[:, 0]), "float32"),
+                tf.cast(tf.reduce_max(marker[:, 1]), "float32"))
+    first = next(leaf for leaf in tree.flatten(data) if leaf is not None)
+    k = tf.cast(tf.shape(first)[0], "float32")
+    replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+    return k, k * replicas
+
+
+def run_step(step, data):
+    """Runs `step` (the model's own) on this replica's real rows, under the rules above."""
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1 and not _tagged(_unwrap(data)):
+        return step(untag(data))
+    previous = getattr(_replica, "counts", None)
+    _replica.counts = _counts(data)
+    try:
+        return step(untag(data))
+    finally:
+        _replica.counts = previous
+
+
+def batch_spec(iterator):
+    """The structure of a distributed batch as KerasTensors, read from its spec, not its data."""
+    for _, _, data in iterator:
+        spec = data.element_spec
+        break
+    else:
+        return None
+
+    def symbolic(s):
+        s = getattr(s, "_value_specs", (s,))[0]  # PerReplicaSpec: every replica's is alike
+        if isinstance(s, tf.TensorSpec):
+            return keras.KerasTensor(tuple(s.shape), s.dtype.name)
+        return None
+
+    return tree.map_structure(symbolic, spec)
+
+
+def process_index():
+    return 0
+
+
+def process_count():
+    return 1
+
+
+# -- the rules, in force inside `scope` ---------------------------------
+
+
+def _weight():
+    """k / n of this replica's step, or None outside one."""
+    counts = getattr(_replica, "counts", None)
+    if counts is None or tf.distribute.get_replica_context() is None:
+        return None
+    k, n = counts
+    return tf.math.divide_no_nan(k, n)
+
+
+def _all_reduce(values):
+    return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, values)
+
+
+def _patched(owner, name):
+    original = getattr(owner, name)
+
+    def decorate(function):
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            if _weight() is None:
+                return original(*args, **kwargs)
+            return function(original, *args, **kwargs)
+
+        wrapper._keras_multigpu_original = original
+        return wrapper
+
+    return original, decorate
+
+
+def _weighed(gradient, weight):
+    """`gradient * weight`, 0 where the replica had no rows (its mean may be NaN there)."""
+    if isinstance(gradient, tf.IndexedSlices):  # kept sparse, as one device's is
+        return tf.IndexedSlices(_weighed(gradient.values, weight), gradient.indices,
+                                gradient.dense_shape)
+    return tf.where(weight > 0, gradient * tf.cast(weight, gradient.dtype),
+                    tf.zeros_like(gradient))
+
+
+def _apply(original, self, grads, trainable_variables=None):
+    """Weighted all-reduce of the gradients, then the optimizer's own apply."""
+    weight = _weight()
+    present = [g for g in grads if g is not None]
+    if present:
+        reduced = iter(_all_reduce([_weighed(g, weight) for g in present]))
+        grads = [None if g is None else next(reduced) for g in grads]
+    _replica.reduced = True
+    try:
+        return original(self, grads, trainable_variables)
+    finally:
+        _replica.reduced = False
+
+
+def _all_reduce_sum(original, self, grads_and_vars):
+    if getattr(_replica, "reduced", False):
+        return grads_and_vars  # reduced, with the weights, in `_apply`
+    return original(self, grads_and_vars)
+
+
+def _scale(original, value):
+    return value  # the weights k/n replace Keras's 1/R
+
+
+def _share():
+    """n / k: turns this replica's part of a sum into the term the rule weighs."""
+    k, n = _replica.counts
+    return tf.math.divide_no_nan(n, tf.maximum(k, 1.0))
+
+
+def _reduce_values(original, values, sample_weight=None, reduction="sum_over_batch_size"):
+    if (reduction is None or reduction == "none" or tuple(values.shape) == ()
+            or tuple(values.shape) == (0,)):
+        return original(values, sample_weight, reduction)
+    total = keras.ops.sum(values)
+    share = keras.ops.cast(_share(), total.dtype)
+    if reduction == "sum":
+        return total * share
+    if reduction == "mean_with_sample_weight" and sample_weight is not None:
+        divisor = _all_reduce(keras.ops.cast(keras.ops.sum(sample_weight), total.dtype))
+        return keras.ops.divide_no_nan(total, divisor) * share
+    if getattr(_replica, "masked", False):
+        # `_apply_mask` has already divided by the global count of valid entries.
+        _replica.masked = False
+        return total * share
+    size = keras.ops.cast(keras.ops.size(values), total.dtype)
+    return keras.ops.divide_no_nan(total, size)
+
+
+def _apply_mask(original, sample_weight, mask, dtype, reduction):
+    if mask is None or reduction not in ("mean", "sum_over_batch_size"):
+        return original(sample_weight, mask, dtype, reduction)
+    # One device divides by its valid entries; here, by every replica's.
+    valid = _all_reduce(keras.ops.sum(keras.ops.cast(mask, dtype)))
+    float_mask = keras.ops.where(keras.ops.cast(mask, "bool"),
+                                 keras.ops.divide_no_nan(keras.ops.cast(1.0, dtype), valid), 0)
+    _replica.masked = True
+    if sample_weight is None:
+        return float_mask
+    sample_weight = keras.ops.cast(sample_weight, dtype)
+    float_mask, sample_weight = loss_module.squeeze_or_expand_to_same_rank(
+        float_mask, sample_weight)
+    return sample_weight * float_mask
+
+
+def _mean_update(original, self, values, sample_weight=None):
+    values = tf.convert_to_tensor(values)
+    if sample_weight is None and values.shape.rank == 0:
+        weight = _weight()
+        values = tf.where(weight > 0, values, tf.zeros_like(values))
+        sample_weight = weight
+    return original(self, values, sample_weight=sample_weight)
+
+
+def _weighted_sum(value):
+    """All-reduce (SUM) of `value` whose gradient keeps the rule.
+
+    Each replica's gradient is weighed by k_r / n after its backward pass
+    (`_apply`), but a gradient that crosses replicas here comes from every
+    replica's loss: the upstream gradients are weighed by their own k_s / n
+    before the reduction, and divided by this replica's weight, which the
+    later weighing restores.
+    """
+    weight = _weight()
+
+    @tf.custom_gradient
+    def reduce(value):
+        def grad(upstream):
+            w = tf.cast(weight, upstream.dtype)
+            return tf.math.divide_no_nan(_all_reduce(upstream * w), w)
+
+        return _all_reduce(value), grad
+
+    return reduce(value)
+
+
+def _moments(original, self, inputs, mask):
+    """BatchNormalization's moments over the real rows of every replica (Keras's formulas)."""
+    x = tf.cast(inputs, "float32") if inputs.dtype in (tf.float16, tf.bfloat16) else inputs
+    axes = list(self._reduction_axes)
+    if mask is None:
+        weights = tf.ones_like(x)
+        epsilon = 0.0
+    else:
+        weights = tf.broadcast_to(tf.cast(tf.expand_dims(mask, -1), x.dtype), tf.shape(x))
+        epsilon = keras.backend.epsilon()
+    total = _weighted_sum(tf.reduce_sum(x * weights, axes, keepdims=True))
+    count = _weighted_sum(tf.reduce_sum(weights, axes, keepdims=True)) + epsilon
+    mean = tf.math.divide_no_nan(total, count)
+    centred = (x - mean) * weights
+    squares = _weighted_sum(tf.reduce_sum(tf.square(centred), axes, keepdims=True))
+    variance = tf.math.divide_no_nan(squares, count)
+    mean, variance = tf.squeeze(mean, axes), tf.squeeze(variance, axes)
+    return tf.cast(mean, inputs.dtype), tf.cast(variance, inputs.dtype)
+
+
+def _rules_table():
+    return [
+        (tf_optimizer.TFOptimizer, "apply", _apply),
+        (tf_optimizer.TFOptimizer, "_all_reduce_sum_gradients", _all_reduce_sum),
+        (loss_module, "scale_loss_for_distribution", _scale),
+        (loss_module, "unscale_loss_for_distribution", _scale),
+        (loss_module, "reduce_values", _reduce_values),
+        (loss_module, "apply_mask", _apply_mask),
+        (reduction_metrics.Mean, "update_state", _mean_update),
+        (batch_normalization.BatchNormalization, "_moments", _moments),
+    ]
+
+
+_installed = threading.local()
+
+
+@contextlib.contextmanager
+def _rules():
+    """Installs the rules for the duration (nested scopes install them once).
+
+    They act only inside a replica's step run by `run_step` and defer to
+    Keras's own code everywhere else, so other models are unaffected.
+    """
+    depth = getattr(_installed, "depth", 0)
+    _installed.depth = depth + 1
+    saved = []
+    try:
+        if depth == 0:
+            for owner, name, rule in _rules_table():
+                original, decorate = _patched(owner, name)
+                saved.append((owner, name, name in vars(owner), original))
+                setattr(owner, name, decorate(rule))
+        yield
+    finally:
+        for owner, name, own, original in reversed(saved):
+            if own:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)
+        _installed.depth = depth
