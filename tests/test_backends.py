@@ -12,7 +12,7 @@ import pytest
 from keras_multigpu import backends
 from keras_multigpu.devices import Device
 
-UNSUPPORTED = ("tensorflow", "torch")
+UNSUPPORTED = ("torch",)
 
 
 def _fresh_import(monkeypatch, name):
@@ -27,7 +27,7 @@ def _fresh_import(monkeypatch, name):
 
 def test_backend_names():
     assert backends.BACKENDS == ("jax", "tensorflow", "torch")
-    assert len(set(backends.API)) == len(backends.API) == 11
+    assert len(set(backends.API)) == len(backends.API) == 17
     assert "resident" in backends.API
 
 

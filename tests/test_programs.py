@@ -65,11 +65,22 @@ def _deviation(reference, run):
     )
 
 
+def _per_output_loss(model, key):
+    names = getattr(model, "output_names", None) or []
+    return len(names) > 1 and key in {f"{name}_loss" for name in names}
+
+
 def _compare(reference, run, gpus):
     ref_model, _, _, ref_history, ref_predicted = reference
     model, _, _, history, predicted = run
     assert history.keys() == ref_history.keys(), f"{gpus} devices: history keys"
     for key in ref_history:
+        if keras.backend.backend() == "tensorflow" and _per_output_loss(ref_model, key):
+            # Keras's TensorFlow trainer weighs these logs by the traced batch size, which a
+            # partial last batch retraces away (weight 25 for full batches, 1 for the last):
+            # the one-device reference depends on tracing, not on the data. The total loss,
+            # the weights and the predictions are compared.
+            continue
         _close(ref_history[key], history[key], f"{gpus} devices: history[{key!r}]")
     ref_weights, weights = ref_model.get_weights(), model.get_weights()
     assert len(weights) == len(ref_weights)
@@ -111,7 +122,7 @@ def _reload_elsewhere(name, target, workdir):
     out = os.path.join(workdir, "reloaded.npz")
     env = {k: v for k, v in os.environ.items()
            if k not in ("KERAS_MULTIGPU_CPU_DEVICES", "XLA_FLAGS", "PYTHONPATH")}
-    env["KERAS_BACKEND"] = "jax"
+    env["KERAS_BACKEND"] = keras.backend.backend()
     result = subprocess.run(
         [sys.executable, "-c", RELOAD, os.path.join(PROGRAMS_DIR, f"{name}.py"), path, out],
         capture_output=True, text=True, env=env, timeout=300, check=False,
@@ -123,9 +134,17 @@ def _reload_elsewhere(name, target, workdir):
         return [saved[f"arr_{i}"] for i in range(facts["outputs"])]
 
 
+def _written_for_this_backend(program):
+    backends = getattr(program, "BACKENDS", ("jax", "tensorflow"))
+    if keras.backend.backend() not in backends:
+        pytest.skip(f"written for the {' and '.join(backends)} backend(s) (its own step uses "
+                    "that framework); its counterpart for this backend is another program")
+
+
 @pytest.mark.parametrize("name", PROGRAMS)
 def test_program_equals_one_device(name, tmp_path):
     program = _load(name)
+    _written_for_this_backend(program)
     assert program.SOURCE.startswith("https://")
     # A program whose optimizer amplifies rounding (see its docstring and
     # test_amplified_programs_differ_without_padding) is held to the tolerance under SGD.
@@ -154,6 +173,7 @@ def test_amplified_programs_differ_without_padding(name, tmp_path):
     """The program as written, with no padded batch at all, already leaves the tolerance
     between 1 and 2 devices: its optimizer amplifies reduction order, not the padding."""
     program = _load(name)
+    _written_for_this_backend(program)
     control = program.CONTROL(str(tmp_path))
     rows = len(keras.tree.flatten(control["x"])[0])
     assert rows % control["batch_size"] == 0

@@ -13,6 +13,7 @@ import keras
 import numpy as np
 from keras import layers, ops
 
+BACKENDS = ("jax",)  # its step is written with jax.value_and_grad
 SOURCE = "https://github.com/keras-team/keras-io/blob/master/examples/generative/vae.py"
 SAVE = "weights"
 LATENT_DIM = 2

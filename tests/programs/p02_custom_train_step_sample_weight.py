@@ -11,6 +11,7 @@ import jax
 import keras
 import numpy as np
 
+BACKENDS = ("jax",)  # its step is written with jax.value_and_grad
 SOURCE = "https://github.com/keras-team/keras-io/blob/master/guides/custom_train_step_in_jax.py"
 SAVE = "weights"
 SAMPLES = 107

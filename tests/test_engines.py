@@ -1,0 +1,258 @@
+"""The engine contract, on whichever backend this pytest process runs (KERAS_BACKEND).
+
+`scripts/test.sh` runs this file once per engine, each in its own process: the JAX suite
+collects it with everything else, and a TensorFlow process runs it again. Every test
+compares a `ParallelModel` with plain Keras on one device, on the same backend.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+import keras_multigpu as kmg
+from keras_multigpu import backends
+
+BACKEND = keras.backend.backend()
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def _bn_model(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([
+        keras.Input((6,)),
+        keras.layers.Dense(8, activation="tanh"),
+        keras.layers.BatchNormalization(),
+        keras.layers.Dense(3, activation="softmax"),
+    ])
+
+
+def _data(rows=99, seed=0):
+    rng = np.random.RandomState(seed)
+    return rng.randn(rows, 6).astype("float32"), rng.randint(0, 3, rows)
+
+
+def _compile(model):
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+
+
+def _train(gpus, rows, batch_size, epochs=2, **fit):
+    model = _bn_model()
+    target = model if gpus is None else kmg.multi_gpu_model(model, gpus=gpus)
+    _compile(target)
+    x, y = _data(rows)
+    history = target.fit(x, y, batch_size=batch_size, epochs=epochs, verbose=0, shuffle=False,
+                         **fit)
+    return model, target, history.history
+
+
+def _assert_same(reference, run):
+    (ref_model, _, ref_history), (model, _, history) = reference, run
+    assert history.keys() == ref_history.keys()
+    for key in ref_history:
+        np.testing.assert_allclose(history[key], ref_history[key], rtol=RTOL, atol=ATOL,
+                                   err_msg=key)
+    for a, b in zip(ref_model.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(b, a, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows, batch_size", [(99, 25), (10, 3), (5, 32)])
+def test_bn_model_equals_one_device(gpus, rows, batch_size):
+    """Uneven and tiny batches (fewer rows than devices), BatchNorm's statistics included."""
+    _assert_same(_train(None, rows, batch_size), _train(gpus, rows, batch_size))
+
+
+def test_moving_statistics_are_the_global_batch():
+    reference, run = _train(None, 99, 25)[0], _train(3, 99, 25)[0]
+    bn = [layer for layer in run.layers if isinstance(layer, keras.layers.BatchNormalization)][0]
+    ref_bn = [layer for layer in reference.layers
+              if isinstance(layer, keras.layers.BatchNormalization)][0]
+    assert np.all(np.isfinite(bn.moving_variance.numpy()))
+    np.testing.assert_allclose(bn.moving_mean.numpy(), ref_bn.moving_mean.numpy(), rtol=RTOL,
+                               atol=ATOL)
+    np.testing.assert_allclose(bn.moving_variance.numpy(), ref_bn.moving_variance.numpy(),
+                               rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("gpus", [2, 3])
+def test_predict_and_evaluate_every_row_in_order(gpus):
+    model, target, _ = _train(gpus, 99, 25)
+    x, y = _data(99)
+    expected = model.predict(x, batch_size=7, verbose=0)
+    got = target.predict(x, batch_size=7, verbose=0)
+    assert got.shape == (99, 3)
+    np.testing.assert_allclose(got, expected, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(target.evaluate(x, y, batch_size=7, verbose=0),
+                               model.evaluate(x, y, batch_size=7, verbose=0), rtol=RTOL)
+
+
+class OwnStep(keras.Model):
+    """A model whose own train_step computes a plain mean loss, written for any backend."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = keras.layers.Dense(3)
+        self.tracker = keras.metrics.Mean(name="own_loss")
+
+    def call(self, x):
+        return self.body(x)
+
+    @property
+    def metrics(self):
+        return [self.tracker]
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        return keras.ops.mean(keras.ops.square(y_pred - keras.ops.one_hot(y, 3)))
+
+    def train_step(self, *args):
+        if BACKEND == "jax":
+            return super().train_step(*args)  # Keras's own (stateless) step calls compute_loss
+        import tensorflow as tf
+
+        x, y = args[-1]
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(y=y, y_pred=self(x, training=True))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        self.tracker.update_state(loss)
+        return {"own_loss": self.tracker.result()}
+
+
+@pytest.mark.parametrize("gpus", [2, 4])
+def test_own_train_step_with_its_own_mean(gpus):
+    x, y = _data(99)
+    results = []
+    for g in (None, gpus):
+        keras.utils.set_random_seed(0)
+        model = OwnStep()
+        target = model if g is None else kmg.multi_gpu_model(model, gpus=g)
+        target.compile(optimizer=keras.optimizers.Adam(0.01))
+        history = target.fit(x, y, batch_size=25, epochs=2, verbose=0, shuffle=False)
+        results.append((model.get_weights(), history.history))
+    (ref_w, ref_h), (w, h) = results
+    assert h.keys() == ref_h.keys()
+    for key in ref_h:
+        np.testing.assert_allclose(h[key], ref_h[key], rtol=RTOL, err_msg=key)
+    for a, b in zip(ref_w, w):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=ATOL)
+
+
+def test_callbacks_checkpoint_and_early_stopping(tmp_path):
+    path = str(tmp_path / "best.keras")
+    callbacks = [keras.callbacks.ModelCheckpoint(path, monitor="loss", save_best_only=True),
+                 keras.callbacks.EarlyStopping(monitor="loss", patience=1)]
+    model, target, history = _train(3, 99, 25, epochs=3, callbacks=callbacks)
+    assert len(history["loss"]) == 3
+    reloaded = keras.saving.load_model(path)
+    assert not isinstance(reloaded, kmg.ParallelModel)
+    x, _ = _data(99)
+    np.testing.assert_allclose(reloaded.predict(x, verbose=0), model.predict(x, verbose=0),
+                               rtol=RTOL, atol=ATOL)
+
+
+def test_wrapping_twice_and_the_template_alone_after(tmp_path):
+    model, target, _ = _train(2, 99, 25)
+    again = kmg.multi_gpu_model(target, gpus=3)
+    assert again.template is model
+    _compile(again)
+    x, y = _data(99)
+    again.fit(x, y, batch_size=25, epochs=1, verbose=0)
+    # The user's model works on its own afterwards: predict, fit, save, load.
+    expected = model.predict(x, verbose=0)
+    _compile(model)
+    model.fit(x, y, batch_size=25, epochs=1, verbose=0)
+    model.save(tmp_path / "m.keras")
+    np.testing.assert_allclose(keras.saving.load_model(tmp_path / "m.keras").predict(x, verbose=0),
+                               model.predict(x, verbose=0), rtol=RTOL, atol=ATOL)
+    assert expected.shape == (99, 3)
+
+
+def test_a_global_keras_distribution_is_refused():
+    if BACKEND != "jax":
+        pytest.skip("keras.distribution exists on the JAX backend only")
+    keras.distribution.set_distribution(keras.distribution.DataParallel())
+    try:
+        with pytest.raises(RuntimeError, match="keras.distribution is set globally"):
+            kmg.multi_gpu_model(_bn_model(), gpus=2)
+    finally:
+        keras.distribution.set_distribution(None)
+
+
+def test_a_model_built_in_another_strategy_is_refused():
+    if BACKEND != "tensorflow":
+        pytest.skip("tf.distribute strategies exist on the TensorFlow backend only")
+    import tensorflow as tf
+
+    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+    outside = _bn_model()
+    with strategy.scope():
+        inside = _bn_model()
+        with pytest.raises(RuntimeError, match="outside any strategy.scope"):
+            kmg.multi_gpu_model(outside, gpus=2)
+    with pytest.raises(ValueError, match="built inside the scope of OneDeviceStrategy"):
+        kmg.multi_gpu_model(inside, gpus=2)
+
+
+def test_too_few_cpu_devices_after_start_says_what_to_do():
+    """Asking for more virtual devices once the framework runs: a clear message."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["KERAS_MULTIGPU_CPU_DEVICES"] = "3"
+    code = (
+        "import keras, numpy as np\n"
+        "keras.ops.convert_to_tensor(np.ones(2))\n"  # the framework starts: 1 CPU device
+        "import keras_multigpu as kmg\n"
+        "try:\n"
+        "    kmg.multi_gpu_model(keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]),"
+        " gpus=3)\n"
+        "except (RuntimeError, ValueError) as error:\n"
+        "    print('ERROR', error)\n"
+    )
+    result = subprocess.run([sys.executable, "-W", "ignore", "-c", code], env=env,
+                            capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    message = result.stdout.split("ERROR", 1)[1]
+    assert "KERAS_MULTIGPU_CPU_DEVICES" in message or "gpus=3" in message
+
+
+OTHER = {"jax": "tensorflow", "tensorflow": "jax"}.get(BACKEND)
+
+LOAD = r"""
+import json, sys
+import numpy as np
+import keras
+model = keras.saving.load_model(sys.argv[1])
+x = np.load(sys.argv[2])
+np.save(sys.argv[3], model.predict(x, verbose=0))
+print(json.dumps({"backend": keras.backend.backend()}))
+"""
+
+
+@pytest.mark.skipif(OTHER is None, reason="no other backend to load into")
+def test_a_saved_model_loads_under_the_other_backend(tmp_path):
+    pytest.importorskip(OTHER)
+    model, target, _ = _train(2, 99, 25)
+    x, _ = _data(20)
+    target.save(tmp_path / "m.keras")
+    np.save(tmp_path / "x.npy", x)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("KERAS_MULTIGPU_CPU_DEVICES", "XLA_FLAGS")}
+    env["KERAS_BACKEND"] = OTHER
+    result = subprocess.run(
+        [sys.executable, "-c", LOAD, str(tmp_path / "m.keras"), str(tmp_path / "x.npy"),
+         str(tmp_path / "out.npy")], env=env, capture_output=True, text=True, timeout=300,
+        check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1])["backend"] == OTHER
+    np.testing.assert_allclose(np.load(tmp_path / "out.npy"), model.predict(x, verbose=0),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_the_engine_module_is_the_backend():
+    assert backends.current().__name__ == f"keras_multigpu.backends.{BACKEND}"
+    assert all(callable(getattr(backends.current(), name)) for name in backends.API)
