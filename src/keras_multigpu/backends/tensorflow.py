@@ -298,12 +298,9 @@ def tag(batch, rows, replicas):
     Returns `(tagged,)`, as the JAX engine's: Keras takes it for an `(x,)`
     batch and hands it to the step whole; the strategy splits every part.
     """
-    size = len(tree.flatten(batch)[0]) if tree.flatten(batch) else 0
-    if size % replicas:
-        raise ValueError(f"A padded batch of {size} rows does not divide over {replicas}.")
-    order, real = _deal(rows, replicas)
+    order, real = _deal(rows, replicas)  # covers the padded size, a multiple of replicas
     dealt = tree.map_structure(lambda a: None if a is None else np.asarray(a)[order], batch)
-    marker = np.stack([real.astype("int32"), np.full(size, rows, "int32")], axis=1)
+    marker = np.stack([real.astype("int32"), np.full(len(order), rows, "int32")], axis=1)
     return ({_BATCH: dealt, _ROWS: marker},)
 
 
