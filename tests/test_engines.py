@@ -46,8 +46,8 @@ def _train(gpus, rows, batch_size, epochs=2, **fit):
     target = model if gpus is None else kmg.multi_gpu_model(model, gpus=gpus)
     _compile(target)
     x, y = _data(rows)
-    history = target.fit(x, y, batch_size=batch_size, epochs=epochs, verbose=0, shuffle=False,
-                         **fit)
+    fit.setdefault("shuffle", False)
+    history = target.fit(x, y, batch_size=batch_size, epochs=epochs, verbose=0, **fit)
     return model, target, history.history
 
 
@@ -66,6 +66,15 @@ def _assert_same(reference, run):
 def test_bn_model_equals_one_device(gpus, rows, batch_size):
     """Uneven and tiny batches (fewer rows than devices), BatchNorm's statistics included."""
     _assert_same(_train(None, rows, batch_size), _train(gpus, rows, batch_size))
+
+
+@pytest.mark.parametrize("gpus", [2, 3])
+@pytest.mark.parametrize("shuffle", [True, "batch"])
+def test_shuffled_as_this_backends_keras_shuffles(gpus, shuffle):
+    """Keras shuffles arrays with NumPy on JAX and with tf.random in tf.data on TensorFlow:
+    either way, the same rows meet in the same batches as on one device."""
+    _assert_same(_train(None, 99, 25, epochs=3, shuffle=shuffle),
+                 _train(gpus, 99, 25, epochs=3, shuffle=shuffle))
 
 
 def test_moving_statistics_are_the_global_batch():

@@ -253,6 +253,28 @@ def pad_batch(batch, replicas, tag, class_weight=None, always=True):
     return tag(tuple(_take(part, index) for part in parts), rows, replicas), rows
 
 
+def numpy_order(num_samples, batch_size, shuffle, rng):
+    """The row order of Keras's NumPy and JAX array iterators.
+
+    Returns `new_pass()`, an iterator over one pass's batches of row indices,
+    drawing from `rng` when and as Keras does: the whole permutation as the
+    pass starts (`shuffle=True`), or each batch's as it is read (`"batch"`).
+    """
+
+    def new_pass():
+        permutation = rng.permutation(num_samples) if shuffle is True else None
+        for start in range(0, num_samples, batch_size):
+            stop = min(start + batch_size, num_samples)
+            if shuffle == "batch":
+                yield start + rng.permutation(stop - start)
+            elif permutation is not None:
+                yield permutation[start:stop]
+            else:
+                yield np.arange(start, stop)
+
+    return new_pass
+
+
 class RandomState:
     """The random draws of one `fit`, as Keras would make them.
 
@@ -299,7 +321,9 @@ class ArrayBatches(PaddedBatches):
             each pass) or `"batch"` (rows shuffled within each batch, the
             batches in order), Keras's `fit(shuffle=...)`.
         rng: the `np.random.RandomState` to draw from (default: NumPy's
-            global generator, as Keras's own adapter uses).
+            global generator, as Keras's own adapter uses on JAX).
+        order: `new_pass()` from the engine's `array_order` (see
+            `backends`), where its Keras trainer does not shuffle with NumPy.
         place: a function that puts `(x, y)` on the devices and returns
             `take(index)` (see `backends`), so that each batch is gathered on
             the devices instead of sliced on the host; it may return None to
@@ -312,7 +336,7 @@ class ArrayBatches(PaddedBatches):
     """
 
     def __init__(self, x, y, sample_weight, plan, tag, shuffle=False, class_weight=None,
-                 place=None, rng=None, put=None):
+                 place=None, rng=None, put=None, order=None):
         super().__init__(plan.replicas, tag)
         x, y, sample_weight = (
             None if part is None else tree.map_structure(np.asarray, part)
@@ -327,7 +351,8 @@ class ArrayBatches(PaddedBatches):
         self.rng = np.random if rng is None else rng
         self.take = place((x, y)) if place is not None else None
         self.put = put if self.take is None else None
-        self.order = np.arange(plan.num_samples)
+        self.passes = order or numpy_order(plan.num_samples, plan.batch_size, shuffle, self.rng)
+        self._batches = None  # the current pass: an iterator of row indices, and those read
         self._pass = 0  # counts passes (batch 0 reads), so a prefetch knows its own
         self._pending = None  # (pass, index, future) of the batch being prefetched
         self._executor = None
@@ -336,9 +361,14 @@ class ArrayBatches(PaddedBatches):
     def num_batches(self):
         return self.plan.num_batches
 
-    def _rows(self, index):
-        start = index * self.plan.batch_size
-        return self.order[start : min(start + self.plan.batch_size, self.plan.num_samples)]
+    def _rows(self, index, new_pass=False):
+        """The row indices of batch `index` of the current pass (with `new_pass`, of a new one)."""
+        if new_pass or self._batches is None:
+            self._batches = (self.passes(), [])
+        batches, read = self._batches
+        while len(read) <= index:
+            read.append(next(batches))
+        return read[index]
 
     def _host_batch(self, rows):
         """Slices (and, with `put`, places) one padded batch from the host arrays."""
@@ -369,15 +399,8 @@ class ArrayBatches(PaddedBatches):
             raise IndexError(f"Batch {index} of {self.plan.num_batches}.")
         if index == 0:
             self._pass += 1
-        start = index * self.plan.batch_size
-        stop = min(start + self.plan.batch_size, self.plan.num_samples)
-        if self.shuffle == "batch":
-            rows = start + self.rng.permutation(stop - start)
-        else:
-            if self.shuffle and index == 0:
-                # A new pass: Keras draws its permutation as its iterator starts.
-                self.order = self.rng.permutation(self.plan.num_samples)
-            rows = self.order[start:stop]
+        # Batch 0 starts a pass: Keras draws its permutation as its iterator starts.
+        rows = self._rows(index, new_pass=index == 0)
         if self.take is not None:
             # One gather per array: the batch's rows and its padding together.
             padding, _ = pad_indices(len(rows), self.replicas)
@@ -491,7 +514,7 @@ def _is_array_like(x):
 
 def as_padded(x, y=None, sample_weight=None, *, batch_size=None, replicas, tag,
               shuffle=False, class_weight=None, drop_remainder=False, place=None,
-              put=None, rng=None):
+              put=None, rng=None, array_order=None):
     """Turns what `Model.fit` accepts into padded batches.
 
     Args:
@@ -503,6 +526,8 @@ def as_padded(x, y=None, sample_weight=None, *, batch_size=None, replicas, tag,
         put: for array inputs kept on the host, a function that places one
             batch on the devices (batches are then prefetched).
         rng: a `RandomState` to shuffle with (default: the global generators).
+        array_order: the engine's `array_order` (see `backends`), which
+            shuffles array inputs as the backend's Keras trainer does.
 
     Returns:
         `(data, dataset)`: `data` is what to hand to Keras (a `PyDataset`, or
@@ -580,5 +605,6 @@ def as_padded(x, y=None, sample_weight=None, *, batch_size=None, replicas, tag,
         plan(rows, batch_size, replicas, drop_remainder),
         tag, shuffle=shuffle, class_weight=class_weight, place=place,
         rng=None if rng is None else rng.numpy, put=put,
+        order=None if array_order is None else array_order(rows, batch_size, shuffle),
     )
     return dataset, dataset

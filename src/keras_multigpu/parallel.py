@@ -292,7 +292,7 @@ class ParallelModel(keras.Model):
         _check_names(self.template, y, "y", "output")
         return batching.as_padded(x, y, sample_weight, replicas=self.num_replicas,
                                   tag=self._backend.tag, place=self._place, put=self._put,
-                                  **kwargs)
+                                  array_order=self._backend.array_order, **kwargs)
 
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
             callbacks=None, validation_split=0.0, validation_data=None,

@@ -25,6 +25,10 @@ Every backend module defines the names in `API`:
   return `take(index)`, which gathers a batch there, already split.
 - `shard(arrays, distribution)`: place one host batch on the devices, split
   along the batch axis, without waiting for the copy.
+- `array_order(num_samples, batch_size, shuffle)`: how the backend's Keras
+  trainer orders array inputs: None where it draws from NumPy's generator
+  (`batching.numpy_order`), else `new_pass()`, an iterator over one pass's
+  batches of row indices drawn as that trainer draws them.
 - `free_memory(devices)`: bytes free on each device (CPU devices: an equal
   share of the host's available memory), None where unknown.
 - `tag(batch, rows, replicas)`: on the host, a padded batch (its real rows
@@ -58,6 +62,7 @@ API = (
     "release",
     "resident",
     "shard",
+    "array_order",
     "free_memory",
     "tag",
     "untag",

@@ -140,6 +140,11 @@ def resident(arrays, distribution):
     return lambda index: gather(placed, index)
 
 
+def array_order(num_samples, batch_size, shuffle):
+    """Keras's JAX trainer shuffles arrays with NumPy's generator."""
+    return None
+
+
 def shard(arrays, distribution):
     """Places a host batch (a tree) on the devices, split along the batch axis.
 

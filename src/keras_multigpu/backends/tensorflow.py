@@ -265,6 +265,49 @@ def resident(arrays, distribution):
     return None
 
 
+def array_order(num_samples, batch_size, shuffle):
+    """Shuffles array inputs as Keras's TensorFlow trainer does.
+
+    Keras draws the permutation (or, with `shuffle="batch"`, each batch's)
+    with `tf.random.shuffle` inside its `tf.data` pipeline. The pipeline is
+    built here as Keras builds it, op for op, so that its random ops get the
+    same seeds and draw the same orders (under `keras.utils.set_random_seed`,
+    the same order every epoch, as in Keras). Each pass iterates it anew, as
+    Keras's epoch iterator does.
+    """
+    if not shuffle:
+        return None
+
+    def permutation(_):
+        indices = tf.range(num_samples, dtype=tf.int64)
+        if shuffle != "batch":
+            indices = tf.random.shuffle(indices)
+        return indices
+
+    full = num_samples // batch_size
+
+    def slice_batch_indices(indices):
+        batches = tf.data.Dataset.from_tensor_slices(
+            tf.reshape(tf.slice(indices, [0], [full * batch_size]), [full, batch_size])
+        )
+        if num_samples % batch_size:
+            batches = batches.concatenate(tf.data.Dataset.from_tensors(
+                tf.slice(indices, [full * batch_size], [num_samples % batch_size])
+            ))
+        return batches
+
+    batches = tf.data.Dataset.range(1).map(permutation).prefetch(1)
+    batches = batches.flat_map(slice_batch_indices)
+    if shuffle == "batch":
+        batches = batches.map(tf.random.shuffle)
+
+    def new_pass():
+        for indices in batches:
+            yield indices.numpy()
+
+    return new_pass
+
+
 def shard(arrays, distribution):
     return arrays  # the strategy's distributed dataset splits and copies it
 
