@@ -77,6 +77,50 @@ def test_shuffled_as_this_backends_keras_shuffles(gpus, shuffle):
                  _train(gpus, 99, 25, epochs=3, shuffle=shuffle))
 
 
+class _Noise(keras.layers.Layer):
+    """A VAE-style draw: `keras.random.normal` of the batch's shape, from the layer's own seed."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seed = keras.random.SeedGenerator(7)
+
+    def call(self, x, training=False):
+        if not training:
+            return x
+        return x + 0.1 * keras.random.normal(keras.ops.shape(x), seed=self.seed)
+
+
+def _random_model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([
+        keras.Input((6,)),
+        keras.layers.Dense(16, activation="relu"),
+        keras.layers.Dropout(0.3),
+        _Noise(),
+        keras.layers.GaussianNoise(0.1),
+        keras.layers.Reshape((4, 4)),
+        keras.layers.SpatialDropout1D(0.25),
+        keras.layers.Flatten(),
+        keras.layers.Dense(3, activation="softmax"),
+    ])
+
+
+@pytest.mark.parametrize("gpus", [2, 3, 4])
+@pytest.mark.parametrize("rows, batch_size", [(99, 25), (5, 32)])
+def test_random_layers_draw_what_one_device_draws(gpus, rows, batch_size):
+    """Dropout, SpatialDropout, GaussianNoise and an own `keras.random.normal`: each row gets
+    the numbers it gets on one device, whichever device it lands on."""
+    runs = []
+    for count in (None, gpus):
+        model = _random_model()
+        target = model if count is None else kmg.multi_gpu_model(model, gpus=count)
+        _compile(target)
+        x, y = _data(rows)
+        runs.append((model, target, target.fit(x, y, batch_size=batch_size, epochs=2,
+                                               verbose=0).history))
+    _assert_same(*runs)
+
+
 def test_moving_statistics_are_the_global_batch():
     reference, run = _train(None, 99, 25)[0], _train(3, 99, 25)[0]
     bn = [layer for layer in run.layers if isinstance(layer, keras.layers.BatchNormalization)][0]

@@ -37,6 +37,7 @@ and predicts on its own as any Keras model.
 
 import contextlib
 import functools
+import inspect
 import threading
 import warnings
 
@@ -45,9 +46,11 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 from keras.src.backend.tensorflow import optimizer as tf_optimizer
+from keras.src.backend.tensorflow import random as tf_random
 from keras.src.layers.normalization import batch_normalization
 from keras.src.losses import loss as loss_module
 from keras.src.metrics import reduction_metrics
+from keras.src.random import seed_generator
 
 from keras_multigpu.devices import CPU_DEVICES_ENV, Device, cpu_device_count
 
@@ -372,17 +375,20 @@ def untag(data):
 
 
 def _counts(data):
-    """(k, n) of this replica, as float32 tensors."""
+    """(k, n, start) of this replica as int32 tensors: its real rows, the global batch's, and
+    where its rows start in the global batch (`_deal`'s contiguous runs)."""
     data = _unwrap(data)
+    context = tf.distribute.get_replica_context()
+    replicas = context.num_replicas_in_sync
+    replica = tf.cast(context.replica_id_in_sync_group, "int32")
     if _tagged(data):
         marker = data[_ROWS]
         # Every replica's part holds at least one marker row, so n is read there.
-        return (tf.cast(tf.reduce_sum(marker[:, 0]), "float32"),
-                tf.cast(tf.reduce_max(marker[:, 1]), "float32"))
+        k, n = tf.reduce_sum(marker[:, 0]), tf.reduce_max(marker[:, 1])
+        return k, n, replica * (n // replicas) + tf.minimum(replica, n % replicas)
     first = next(leaf for leaf in tree.flatten(data) if leaf is not None)
-    k = tf.cast(tf.shape(first)[0], "float32")
-    replicas = tf.distribute.get_replica_context().num_replicas_in_sync
-    return k, k * replicas
+    k = tf.shape(first)[0]
+    return k, k * replicas, replica * k
 
 
 def run_step(step, data):
@@ -431,8 +437,8 @@ def _weight():
     counts = getattr(_replica, "counts", None)
     if counts is None or tf.distribute.get_replica_context() is None:
         return None
-    k, n = counts
-    return tf.math.divide_no_nan(k, n)
+    k, n, _ = counts
+    return tf.math.divide_no_nan(tf.cast(k, "float32"), tf.cast(n, "float32"))
 
 
 def _all_reduce(values):
@@ -490,8 +496,8 @@ def _scale(original, value):
 
 def _share():
     """n / k: turns this replica's part of a sum into the term the rule weighs."""
-    k, n = _replica.counts
-    return tf.math.divide_no_nan(n, tf.maximum(k, 1.0))
+    k, n, _ = _replica.counts
+    return tf.math.divide_no_nan(tf.cast(n, "float32"), tf.cast(tf.maximum(k, 1), "float32"))
 
 
 def _reduce_values(original, values, sample_weight=None, reduction="sum_over_batch_size"):
@@ -580,6 +586,69 @@ def _moments(original, self, inputs, mask):
     return tf.cast(mean, inputs.dtype), tf.cast(variance, inputs.dtype)
 
 
+class _Drawn(seed_generator.SeedGenerator):
+    """A seed already drawn, handed to Keras's draw functions as a generator would be.
+
+    Both branches of `_batch_draw`'s condition then use one draw, so the
+    layer's generator moves on once per call, as on one device.
+    """
+
+    def __init__(self, value):  # no state variable: `next` only returns `value`
+        self.value = value
+
+    def next(self, ordered=True):
+        return self.value
+
+
+def _batch_draw(draw, shape, seed):
+    """`draw(shape, seed)`, where a first dimension equal to the replica's rows is the batch.
+
+    Such a draw is made for the global batch and this replica's rows are
+    taken from it, so that every row gets the numbers it gets on one device
+    (a replica drawing for its own rows alone would give each replica the
+    first rows' numbers). Other draws are the replica's own: their shape does
+    not depend on the batch, and each replica draws what one device does.
+    """
+    if isinstance(shape, tf.TensorShape):
+        shape = shape.as_list()
+    if not tf.is_tensor(shape) and (not shape or not tf.is_tensor(shape[0])):
+        return draw(shape, seed)  # a static first dimension is not this step's rows
+    seed = _Drawn(seed_generator.draw_seed(seed))
+    k, n, start = _replica.counts
+    rows = tf.cast(shape[0], "int32")
+    rest = shape[1:]
+
+    def global_rows():
+        drawn = draw(tf.concat([n[None], tf.cast(rest, "int32")], 0) if tf.is_tensor(shape)
+                     else [n, *rest], seed)
+        return drawn[start : start + rows]
+
+    return tf.cond(tf.equal(rows, k), global_rows, lambda: draw(shape, seed))
+
+
+def _random(original, *args, **kwargs):
+    """Keras's `normal`, `uniform`, ... (`shape` and `seed` arguments) through `_batch_draw`."""
+    bound = inspect.signature(original).bind(*args, **kwargs)
+    arguments = bound.arguments
+
+    def draw(shape, seed):
+        return original(**{**arguments, "shape": shape, "seed": seed})
+
+    return _batch_draw(draw, arguments["shape"], arguments.get("seed"))
+
+
+def _dropout(original, inputs, rate, noise_shape=None, seed=None):
+    """Keras's dropout with its mask drawn by `_batch_draw` (exactly: `x * (1 * scale)`)."""
+    if isinstance(rate, (int, float)) and rate in (0.0, 1.0):
+        return original(inputs, rate, noise_shape, seed)
+    concrete = tf_random._get_concrete_noise_shape(inputs, noise_shape)
+    mask = _batch_draw(
+        lambda shape, seed: original(tf.ones(shape, inputs.dtype), rate, seed=seed),
+        concrete, seed,
+    )
+    return inputs * mask
+
+
 def _rules_table():
     return [
         (tf_optimizer.TFOptimizer, "apply", _apply),
@@ -590,6 +659,9 @@ def _rules_table():
         (loss_module, "apply_mask", _apply_mask),
         (reduction_metrics.Mean, "update_state", _mean_update),
         (batch_normalization.BatchNormalization, "_moments", _moments),
+        *((tf_random, name, _random) for name in ("normal", "uniform", "truncated_normal",
+                                                     "randint")),
+        (tf_random, "dropout", _dropout),
     ]
 
 
