@@ -443,6 +443,9 @@ class WrappedPyDataset(PaddedBatches):
             dataset.workers > 0 and dataset.use_multiprocessing
         )
         self._lock = threading.Lock()
+        # Keras's TensorFlow adapter reads a few batches for their shapes before the first
+        # epoch begins, unshuffled and without drawing: those reads are passed through.
+        self._started = False
 
     @property
     def num_batches(self):
@@ -462,9 +465,10 @@ class WrappedPyDataset(PaddedBatches):
             return self.order[index]
 
     def __getitem__(self, index):
-        return self.pad(self.dataset[self._position(index)])
+        return self.pad(self.dataset[self._position(index) if self._started else index])
 
     def on_epoch_begin(self):
+        self._started = True
         self.dataset.on_epoch_begin()
 
     def on_epoch_end(self):
