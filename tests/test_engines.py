@@ -121,6 +121,38 @@ def test_random_layers_draw_what_one_device_draws(gpus, rows, batch_size):
     _assert_same(*runs)
 
 
+class _TokensAndPositions(keras.layers.Layer):
+    """keras-io's TokenAndPositionEmbedding: token ids from the data, positions `arange`."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.tokens = keras.layers.Embedding(50, 4)
+        self.positions = keras.layers.Embedding(7, 4)
+
+    def call(self, x):
+        return self.tokens(x) + self.positions(keras.ops.arange(keras.ops.shape(x)[-1]))
+
+
+@pytest.mark.parametrize("gpus", [2, 3])
+@pytest.mark.parametrize("optimizer", ["adam", "rmsprop"])
+def test_lookups_under_optimizers_that_square_sparse_gradients(gpus, optimizer):
+    """Adam and RMSprop square a sparse gradient row by row, so each lookup's gradient must
+    have one device's rows: one per token looked up, and one per position (not one per
+    position per device)."""
+    x, y = np.random.RandomState(3).randint(0, 50, (45, 7)), np.arange(45) % 2
+    runs = []
+    for count in (None, gpus):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((7,), dtype="int32"), _TokensAndPositions(),
+                                  keras.layers.GlobalAveragePooling1D(),
+                                  keras.layers.Dense(2, activation="softmax")])
+        target = model if count is None else kmg.multi_gpu_model(model, gpus=count)
+        target.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy")
+        runs.append((model, target, target.fit(x, y, batch_size=10, epochs=3, verbose=0,
+                                               shuffle=False).history))
+    _assert_same(*runs)
+
+
 def test_moving_statistics_are_the_global_batch():
     reference, run = _train(None, 99, 25)[0], _train(3, 99, 25)[0]
     bn = [layer for layer in run.layers if isinstance(layer, keras.layers.BatchNormalization)][0]

@@ -470,13 +470,38 @@ def _weighed(gradient, weight):
                     tf.zeros_like(gradient))
 
 
+def _fixed_rows(gradient):
+    """Whether `gradient` is sparse with rows that do not depend on the batch.
+
+    A lookup's gradient has one row per index looked up. Indices that come
+    from the data (token ids) have the batch's dynamic size: the replicas'
+    rows, concatenated in replica order by the all-reduce, are one device's
+    rows in one device's order. Indices of a static size (positions
+    `arange(maxlen)`) are looked up once per step on one device, with the
+    batch summed into each row: every replica holds the same indices, and one
+    device's gradient is theirs with the values summed. The two differ for
+    an optimizer that squares a sparse gradient row by row (Adam, RMSprop).
+    """
+    return isinstance(gradient, tf.IndexedSlices) and gradient.indices.shape.is_fully_defined()
+
+
+def _summable(gradient):
+    return gradient.values if _fixed_rows(gradient) else gradient
+
+
+def _unsummable(gradient, reduced):
+    if _fixed_rows(gradient):
+        return tf.IndexedSlices(reduced, gradient.indices, gradient.dense_shape)
+    return reduced
+
+
 def _apply(original, self, grads, trainable_variables=None):
     """Weighted all-reduce of the gradients, then the optimizer's own apply."""
     weight = _weight()
-    present = [g for g in grads if g is not None]
+    present = [_summable(_weighed(g, weight)) for g in grads if g is not None]
     if present:
-        reduced = iter(_all_reduce([_weighed(g, weight) for g in present]))
-        grads = [None if g is None else next(reduced) for g in grads]
+        reduced = iter(_all_reduce(present))
+        grads = [None if g is None else _unsummable(g, next(reduced)) for g in grads]
     _replica.reduced = True
     try:
         return original(self, grads, trainable_variables)
