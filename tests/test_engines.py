@@ -153,6 +153,24 @@ def test_lookups_under_optimizers_that_square_sparse_gradients(gpus, optimizer):
     _assert_same(*runs)
 
 
+@pytest.mark.parametrize("gpus", [2, 3])
+@pytest.mark.parametrize("optimizer", [
+    lambda: keras.optimizers.Adam(0.01, gradient_accumulation_steps=2),
+    lambda: keras.optimizers.SGD(0.1, use_ema=True, ema_overwrite_frequency=3),
+], ids=["accumulation", "ema"])
+def test_optimizers_that_choose_per_step(gpus, optimizer):
+    """Gradient accumulation and EMA overwrites pick, each step, whether to update."""
+    runs = []
+    for count in (None, gpus):
+        model = _bn_model()
+        target = model if count is None else kmg.multi_gpu_model(model, gpus=count)
+        target.compile(optimizer=optimizer(), loss="sparse_categorical_crossentropy")
+        x, y = _data(99)
+        runs.append((model, target, target.fit(x, y, batch_size=25, epochs=2, verbose=0,
+                                               shuffle=False).history))
+    _assert_same(*runs)
+
+
 def test_moving_statistics_are_the_global_batch():
     reference, run = _train(None, 99, 25)[0], _train(3, 99, 25)[0]
     bn = [layer for layer in run.layers if isinstance(layer, keras.layers.BatchNormalization)][0]

@@ -509,6 +509,38 @@ def _apply(original, self, grads, trainable_variables=None):
         _replica.reduced = False
 
 
+def _apply_gradients(original, self, grads, trainable_variables):
+    """Keras's apply, once, across replicas, where it chooses with `ops.cond`.
+
+    Gradient accumulation (and an EMA overwrite frequency) pick between
+    updating and accumulating with a condition, and tf.distribute cannot
+    cross from a replica into the mirrored update inside one. The gradients
+    are all-reduced already, the same on every replica, so the whole apply
+    runs once outside the replicas, on the first replica's, and updates every
+    copy of every variable alike, as `strategy.extended.update` does.
+    """
+    if not getattr(_replica, "reduced", False) or not (
+        self.gradient_accumulation_steps or (self.use_ema and self.ema_overwrite_frequency)
+    ):
+        return original(self, grads, trainable_variables)
+
+    def across(strategy, *grads):
+        first = [None if g is None else strategy.experimental_local_results(g)[0]
+                 for g in grads]
+        # Keras's TensorFlow optimizer reaches its mirrored updates through
+        # `maybe_merge_call`, which assumes a replica; here the merge is made.
+        interim = tf.__internal__.distribute.interim
+        maybe_merge_call = interim.maybe_merge_call
+        interim.maybe_merge_call = lambda fn, strategy, *args, **kwargs: fn(
+            strategy, *args, **kwargs)
+        try:
+            original(self, first, trainable_variables)
+        finally:
+            interim.maybe_merge_call = maybe_merge_call
+
+    tf.distribute.get_replica_context().merge_call(across, args=tuple(grads))
+
+
 def _all_reduce_sum(original, self, grads_and_vars):
     if getattr(_replica, "reduced", False):
         return grads_and_vars  # reduced, with the weights, in `_apply`
@@ -678,6 +710,7 @@ def _rules_table():
     return [
         (tf_optimizer.TFOptimizer, "apply", _apply),
         (tf_optimizer.TFOptimizer, "_all_reduce_sum_gradients", _all_reduce_sum),
+        (tf_optimizer.TFOptimizer, "_backend_apply_gradients", _apply_gradients),
         (loss_module, "scale_loss_for_distribution", _scale),
         (loss_module, "unscale_loss_for_distribution", _scale),
         (loss_module, "reduce_values", _reduce_values),
