@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The test command: sets itself up, then runs the suite on virtual CPU devices
 # (no GPU needed), one pytest process per engine, since KERAS_BACKEND is fixed
-# per process: the whole suite on JAX, then the engine contract
-# (tests/test_engines.py) on TensorFlow. pytest exits non-zero when a test
+# per process: the whole suite on JAX, then the engine contract and the real
+# Keras programs (tests/test_engines.py, tests/test_programs.py) on TensorFlow. pytest exits non-zero when a test
 # fails and 5 when no test ran; either fails this script.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh jax,test,peers
 KERAS_BACKEND=jax .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
-KERAS_BACKEND=tensorflow .venv/bin/python -m pytest -q -p no:cacheprovider tests/test_engines.py
+KERAS_BACKEND=tensorflow .venv/bin/python -m pytest -q -p no:cacheprovider \
+    tests/test_engines.py tests/test_programs.py

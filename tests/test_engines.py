@@ -171,6 +171,37 @@ def test_optimizers_that_choose_per_step(gpus, optimizer):
     _assert_same(*runs)
 
 
+class _BatchLogs(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.logs = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.logs.append({key: float(value) for key, value in logs.items()})
+
+
+@pytest.mark.parametrize("gpus", [2, 3])
+def test_every_batchs_logs_are_one_devices(gpus):
+    """The progress bar and batch callbacks see the running figures of the global batches
+    (loss, accuracy, top-2 accuracy), not one device's share of them."""
+    runs = []
+    for count in (None, gpus):
+        model = _bn_model()
+        target = model if count is None else kmg.multi_gpu_model(model, gpus=count)
+        target.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy",
+                       metrics=["accuracy", keras.metrics.SparseTopKCategoricalAccuracy(2)])
+        recorder = _BatchLogs()
+        x, y = _data(99)
+        target.fit(x, y, batch_size=25, epochs=2, verbose=0, shuffle=False, callbacks=[recorder])
+        runs.append(recorder.logs)
+    assert len(runs[0]) == len(runs[1]) == 8
+    for reference, logs in zip(*runs):
+        assert logs.keys() == reference.keys()
+        for key in reference:
+            np.testing.assert_allclose(logs[key], reference[key], rtol=RTOL, atol=ATOL,
+                                       err_msg=key)
+
+
 def test_moving_statistics_are_the_global_batch():
     reference, run = _train(None, 99, 25)[0], _train(3, 99, 25)[0]
     bn = [layer for layer in run.layers if isinstance(layer, keras.layers.BatchNormalization)][0]

@@ -12,7 +12,8 @@ gradients are zero up to rounding, and Adam divides each gradient by its own run
 magnitude, turning rounding-level noise into full-size steps. A reduction summed in another
 order (any change of device count) then moves those biases differently. The test shows this
 with a control that needs no padding (CONTROL), and checks exactness with the same program
-under SGD (EXACT_OPTIMIZER), which has no such division.
+under SGD (EXACT_OPTIMIZER), which has no such division, or, on TensorFlow (whose float64
+convolutions make it possible), as written in float64.
 """
 
 import os

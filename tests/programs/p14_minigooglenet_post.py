@@ -7,6 +7,12 @@ and-deep-learning/ (MiniGoogLeNet of Zhang et al. 2017, trained with multi_gpu_m
 Adapted to run on a CPU in a test: every filter count is divided by 8 and the network keeps
 the first three inception modules and one downsample module; CIFAR-10 becomes 107 synthetic
 32x32x3 images; the batch 64 per GPU becomes a global batch of 25; 2 epochs.
+
+On TensorFlow, training amplifies rounding here: convolution gradients summed over 13 + 12
+rows instead of 25 differ by about 2e-6 of their size (oneDNN's convolutions), and with
+momentum through eight BatchNormalization layers the weights leave 1e-4 within the run. In
+float64 the runs agree to 1e-13, which the test checks, with a control that needs no
+padding (CONTROL).
 """
 
 import keras
@@ -18,6 +24,9 @@ SOURCE = (
     "how-to-multi-gpu-training-with-keras-python-and-deep-learning/"
 )
 SAVE = "keras"
+AMPLIFIED = {"tensorflow": "SGD with momentum through BatchNorm grows the rounding of "
+                           "TensorFlow's convolution gradients, which changes with the rows "
+                           "per device"}
 SAMPLES, EPOCHS, LR = 107, 2, 5e-3
 
 
@@ -73,6 +82,13 @@ def _data():
 def fit_kwargs(workdir):
     x, y = _data()
     return {"x": x, "y": y, "batch_size": 25, "epochs": EPOCHS, "validation_split": 0.1,
+            "verbose": 0}
+
+
+def CONTROL(workdir):  # noqa: N802
+    """No padding anywhere: 96 samples in batches of 24, on 1, 2 or 3 devices."""
+    x, y = _data()
+    return {"x": x[:96], "y": y[:96], "batch_size": 24, "epochs": 2, "shuffle": False,
             "verbose": 0}
 
 

@@ -49,12 +49,13 @@ from keras.src.backend.tensorflow import optimizer as tf_optimizer
 from keras.src.backend.tensorflow import random as tf_random
 from keras.src.layers.normalization import batch_normalization
 from keras.src.losses import loss as loss_module
+from keras.src.metrics import metric as metric_module
 from keras.src.metrics import reduction_metrics
 from keras.src.random import seed_generator
 
 from keras_multigpu.devices import CPU_DEVICES_ENV, Device, cpu_device_count
 
-# Inside a replica's step: (k, n) as float32 tensors; None elsewhere.
+# Inside a replica's step: `counts`, (k, n, start) as int32 tensors; None elsewhere.
 _replica = threading.local()
 
 
@@ -432,13 +433,13 @@ def process_count():
 # -- the rules, in force inside `scope` ---------------------------------
 
 
-def _weight():
-    """k / n of this replica's step, or None outside one."""
+def _weight(dtype="float32"):
+    """k / n of this replica's step, computed in `dtype`, or None outside one."""
     counts = getattr(_replica, "counts", None)
     if counts is None or tf.distribute.get_replica_context() is None:
         return None
     k, n, _ = counts
-    return tf.math.divide_no_nan(tf.cast(k, "float32"), tf.cast(n, "float32"))
+    return tf.math.divide_no_nan(tf.cast(k, dtype), tf.cast(n, dtype))
 
 
 def _all_reduce(values):
@@ -461,13 +462,14 @@ def _patched(owner, name):
     return original, decorate
 
 
-def _weighed(gradient, weight):
-    """`gradient * weight`, 0 where the replica had no rows (its mean may be NaN there)."""
+def _weighed(gradient):
+    """`gradient * k / n` (in its dtype), 0 where the replica had no rows (its mean may be
+    NaN there)."""
     if isinstance(gradient, tf.IndexedSlices):  # kept sparse, as one device's is
-        return tf.IndexedSlices(_weighed(gradient.values, weight), gradient.indices,
+        return tf.IndexedSlices(_weighed(gradient.values), gradient.indices,
                                 gradient.dense_shape)
-    return tf.where(weight > 0, gradient * tf.cast(weight, gradient.dtype),
-                    tf.zeros_like(gradient))
+    weight = _weight(gradient.dtype)
+    return tf.where(weight > 0, gradient * weight, tf.zeros_like(gradient))
 
 
 def _fixed_rows(gradient):
@@ -497,8 +499,7 @@ def _unsummable(gradient, reduced):
 
 def _apply(original, self, grads, trainable_variables=None):
     """Weighted all-reduce of the gradients, then the optimizer's own apply."""
-    weight = _weight()
-    present = [_summable(_weighed(g, weight)) for g in grads if g is not None]
+    present = [_summable(_weighed(g)) for g in grads if g is not None]
     if present:
         reduced = iter(_all_reduce(present))
         grads = [None if g is None else _unsummable(g, next(reduced)) for g in grads]
@@ -551,10 +552,10 @@ def _scale(original, value):
     return value  # the weights k/n replace Keras's 1/R
 
 
-def _share():
+def _share(dtype):
     """n / k: turns this replica's part of a sum into the term the rule weighs."""
     k, n, _ = _replica.counts
-    return tf.math.divide_no_nan(tf.cast(n, "float32"), tf.cast(tf.maximum(k, 1), "float32"))
+    return tf.math.divide_no_nan(tf.cast(n, dtype), tf.cast(tf.maximum(k, 1), dtype))
 
 
 def _reduce_values(original, values, sample_weight=None, reduction="sum_over_batch_size"):
@@ -562,7 +563,7 @@ def _reduce_values(original, values, sample_weight=None, reduction="sum_over_bat
             or tuple(values.shape) == (0,)):
         return original(values, sample_weight, reduction)
     total = keras.ops.sum(values)
-    share = keras.ops.cast(_share(), total.dtype)
+    share = _share(total.dtype)
     if reduction == "sum":
         return total * share
     if reduction == "mean_with_sample_weight" and sample_weight is not None:
@@ -595,7 +596,7 @@ def _apply_mask(original, sample_weight, mask, dtype, reduction):
 def _mean_update(original, self, values, sample_weight=None):
     values = tf.convert_to_tensor(values)
     if sample_weight is None and values.shape.rank == 0:
-        weight = _weight()
+        weight = _weight(values.dtype)
         values = tf.where(weight > 0, values, tf.zeros_like(values))
         sample_weight = weight
     return original(self, values, sample_weight=sample_weight)
@@ -610,12 +611,12 @@ def _weighted_sum(value):
     before the reduction, and divided by this replica's weight, which the
     later weighing restores.
     """
-    weight = _weight()
+    k, n, _ = _replica.counts
 
     @tf.custom_gradient
     def reduce(value):
         def grad(upstream):
-            w = tf.cast(weight, upstream.dtype)
+            w = tf.math.divide_no_nan(tf.cast(k, upstream.dtype), tf.cast(n, upstream.dtype))
             return tf.math.divide_no_nan(_all_reduce(upstream * w), w)
 
         return _all_reduce(value), grad
@@ -706,6 +707,39 @@ def _dropout(original, inputs, rate, noise_shape=None, seed=None):
     return inputs * mask
 
 
+def _global_result(original, self):
+    """A metric's result inside a replica's step: the global batch's so far.
+
+    Each replica holds its own part of every metric's state (summed across
+    replicas when read outside them, for the epoch's logs). Read inside, as
+    a step's returned logs are, the result would be that replica's alone:
+    here the state is all-reduced first, so the logs of every batch (the
+    progress bar, `on_train_batch_end` callbacks) are one device's.
+    """
+    if keras.src.backend.in_stateless_scope() or not self.variables:
+        return original(self)
+    reductions = {"sum": tf.distribute.ReduceOp.SUM, "mean": tf.distribute.ReduceOp.MEAN}
+    context = tf.distribute.get_replica_context()
+    values = []
+    for variable in self.variables:
+        value = tf.convert_to_tensor(variable.value)
+        reduction = reductions.get(getattr(variable, "aggregation", None))
+        values.append(value if reduction is None else context.all_reduce(reduction, value))
+    with keras.src.backend.StatelessScope(state_mapping=list(zip(self.variables, values))):
+        return original(self)
+
+
+def _metric_classes():
+    """Every Metric class defined so far that has its own `result` (the user's too)."""
+    found, stack = [], [metric_module.Metric]
+    while stack:
+        cls = stack.pop()
+        if "result" in vars(cls):
+            found.append(cls)
+        stack.extend(cls.__subclasses__())
+    return list(dict.fromkeys(found))
+
+
 def _rules_table():
     return [
         (tf_optimizer.TFOptimizer, "apply", _apply),
@@ -720,6 +754,7 @@ def _rules_table():
         *((tf_random, name, _random) for name in ("normal", "uniform", "truncated_normal",
                                                      "randint")),
         (tf_random, "dropout", _dropout),
+        *((cls, "result", _global_result) for cls in _metric_classes()),
     ]
 
 
