@@ -401,9 +401,26 @@ def test_py_dataset_order_draws_what_keras_draws():
     keras.utils.set_random_seed(11)
     rng = keras_multigpu.batching.RandomState()
     wrapped = WrappedPyDataset(_Numbered(), 2, TAG, shuffle=True, rng=rng.python)
-    got = [[int(engine.untag(wrapped[i])[0][0, 0]) for i in range(6)] for _ in range(3)]
+    got = []
+    for _ in range(3):  # Keras brackets each pass with the epoch hooks
+        wrapped.on_epoch_begin()
+        got.append([int(engine.untag(wrapped[i])[0][0, 0]) for i in range(6)])
+        wrapped.on_epoch_end()
     assert got == expected
     assert sorted(got[0]) == list(range(6)) and got[0] != got[1]
+
+
+def test_py_dataset_reads_before_the_first_epoch_draw_nothing():
+    """Keras's TensorFlow adapter reads a few batches for their shapes before training:
+    unshuffled, from the user's dataset, as it does on one device."""
+    rng = keras_multigpu.batching.RandomState()
+    state = rng.python.getstate()
+    wrapped = WrappedPyDataset(_Numbered(), 2, TAG, shuffle=True, rng=rng.python)
+    assert [int(engine.untag(wrapped[i])[0][0, 0]) for i in range(2)] == [0, 1]
+    assert rng.python.getstate() == state
+    wrapped.on_epoch_begin()
+    wrapped[0]
+    assert rng.python.getstate() != state
 
 
 def test_py_dataset_epoch_hooks_reach_the_users_dataset():

@@ -16,9 +16,15 @@ def test_setup_names():
     for bad in ("ours", "ours-0", "horovod-2", "plain-2", "ours-x"):
         with pytest.raises(ValueError, match=bad):
             bench.parse(bad)
+    assert bench.parse("ours_tf-2").backend == "tensorflow"
+    for bad in ("plain_tf-2", "ours_jax-2"):
+        with pytest.raises(ValueError, match=bad):
+            bench.parse(bad)
     names = [s.name for s in bench.default_setups(3)]
-    assert names == ["plain-1", "ours-1", "ours-2", "ours-3", "dataparallel-2", "mirrored-2",
-                     "independent-2", "dataparallel-3", "mirrored-3", "independent-3"]
+    assert names == ["plain-1", "ours-1", "ours-2", "ours-3", "plain_tf-1", "ours_tf-1",
+                     "ours_tf-2", "ours_tf-3", "dataparallel-2", "mirrored-2", "independent-2",
+                     "independent_tf-2", "dataparallel-3", "mirrored-3", "independent-3",
+                     "independent_tf-3"]
 
 
 def test_worker_environment_sets_devices_and_backend():
@@ -31,6 +37,31 @@ def test_worker_environment_sets_devices_and_backend():
     # Every JAX setup gets the raised collective timeouts ours gets (where jaxlib has them).
     assert env["XLA_FLAGS"] == _xla.virtual_device_flags(3, "--other")
     assert bench.Setup("mirrored", 2).environment({}, virtual=True)["KERAS_BACKEND"] == "tensorflow"
+
+
+def test_tensorflow_setups_get_their_devices():
+    ours = bench.Setup("ours_tf", 3).environment({"KERAS_MULTIGPU_CPU_DEVICES": "8"}, virtual=True)
+    assert ours["KERAS_BACKEND"] == "tensorflow" and ours["KERAS_MULTIGPU_CPU_DEVICES"] == "3"
+    assert "KERAS_MULTIGPU_CPU_DEVICES" not in bench.Setup("ours_tf", 3).environment(
+        {"KERAS_MULTIGPU_CPU_DEVICES": "8"}, virtual=False)
+    ceiling = bench.parse("independent_tf-2")
+    assert ceiling.processes == 2 and ceiling.worker == bench.Setup("plain_tf", 1)
+    assert ceiling.environment({}, virtual=True)["KERAS_BACKEND"] == "tensorflow"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None,
+                    reason="the TensorFlow setups need TensorFlow, which is not installed")
+def test_tiny_tensorflow_run(tmp_path):
+    code = cli.main(["bench", "--setups", "plain_tf-1,ours_tf-1,ours_tf-2,mirrored-2,"
+                     "independent_tf-2", "--model", "dense", "--samples", "256", "--epochs", "2",
+                     "--rounds", "1", "--batch-per-device", "32", "--output", str(tmp_path)])
+    assert code == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert set(results["table"]) == {"plain_tf-1", "ours_tf-1", "ours_tf-2", "mirrored-2",
+                                     "independent_tf-2"}
+    assert results["raw"]["ours_tf-2"][0]["global_batch"] == 64
+    assert {"ours_tf-1 / plain_tf-1", "ours_tf-2 / ours_tf-1", "ours_tf-2 / mirrored-2",
+            "ours_tf-2 / independent_tf-2"} <= set(results["ratios"])
 
 
 def test_independent_setup_is_one_device_processes():

@@ -128,12 +128,17 @@ def _ratios(table, figure):
             ratios[f"{a} / {b}"] = table[a][figure]["median"] / table[b][figure]["median"]
 
     ratio("ours-1", "plain-1")
+    ratio("ours_tf-1", "plain_tf-1")
     for name, row in table.items():
         if row["engine"] == "ours" and row["devices"] > 1:
             ratio(name, "ours-1")
             ratio(name, f"dataparallel-{row['devices']}")
             ratio(name, f"mirrored-{row['devices']}")
             ratio(name, f"independent-{row['devices']}")
+        if row["engine"] == "ours_tf" and row["devices"] > 1:
+            ratio(name, "ours_tf-1")
+            ratio(name, f"mirrored-{row['devices']}")
+            ratio(name, f"independent_tf-{row['devices']}")
     return ratios
 
 

@@ -8,6 +8,7 @@ and returns a fitted Keras model: adding a configuration is a few lines here.
 import dataclasses
 
 from keras_multigpu import _xla
+from keras_multigpu.devices import CPU_DEVICES_ENV
 
 XLA_DEVICE_FLAG = _xla.DEVICE_COUNT_FLAG
 
@@ -22,7 +23,8 @@ class Setup:
             `devices` plain one-device trainings run at once, one process per
             device, with no communication between them. Their summed
             throughput is the ceiling for any data-parallel engine on these
-            devices.
+            devices. "ours_tf", "plain_tf" and "independent_tf" are the same
+            on the TensorFlow backend (as "mirrored" is).
         devices: replicas; the global batch is devices x batch per device.
     """
 
@@ -35,17 +37,19 @@ class Setup:
 
     @property
     def backend(self):
-        return "tensorflow" if self.engine == "mirrored" else "jax"
+        return "tensorflow" if self.engine in TENSORFLOW_ENGINES else "jax"
 
     @property
     def processes(self):
         """How many worker processes the setup runs at once."""
-        return self.devices if self.engine == "independent" else 1
+        return self.devices if self.engine.startswith("independent") else 1
 
     @property
     def worker(self):
         """The setup each worker process measures."""
-        return Setup("plain", 1) if self.engine == "independent" else self
+        if self.engine.startswith("independent"):
+            return Setup(self.engine.replace("independent", "plain"), 1)
+        return self
 
     def environment(self, base, virtual, process=0):
         """The worker's environment; `virtual` says devices are virtual CPUs."""
@@ -55,6 +59,8 @@ class Setup:
         env["XLA_FLAGS"] = " ".join(flags)
         if virtual and self.backend == "jax":  # every JAX setup gets the same flags as ours
             env["XLA_FLAGS"] = _xla.virtual_device_flags(self.worker.devices, env["XLA_FLAGS"])
+        if virtual and self.engine == "ours_tf":  # logical CPU devices, as mirrored makes
+            env[CPU_DEVICES_ENV] = str(self.devices)
         if self.processes > 1 and not virtual:  # one GPU for each process, of those visible
             visible = [d for d in base.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
             if visible and len(visible) < self.processes:
@@ -71,7 +77,7 @@ def parse(name):
             f"Unknown setup {name!r}: expected ENGINE-DEVICES with ENGINE in "
             f"{sorted(TRAIN)}, e.g. ours-2."
         )
-    if engine == "plain" and devices != "1":
+    if engine.startswith("plain") and devices != "1":
         raise ValueError(f"plain Keras runs on one device. Received: {name!r}.")
     return Setup(engine, int(devices))
 
@@ -127,7 +133,11 @@ TRAIN = {
     "ours": _train_ours,
     "dataparallel": _train_dataparallel,
     "mirrored": _train_mirrored,
+    "plain_tf": _train_plain,
+    "independent_tf": _train_plain,  # each of its processes is plain_tf-1
+    "ours_tf": _train_ours,
 }
+TENSORFLOW_ENGINES = ("mirrored", "plain_tf", "independent_tf", "ours_tf")
 
 
 def available(setup):
@@ -141,11 +151,14 @@ def available(setup):
 
 
 def default_setups(max_devices):
-    """Ours at 1..N, plain Keras, the peers and the ceiling at the counts above 1."""
+    """Ours at 1..N, plain Keras, the peers and the ceiling at the counts above 1, on
+    JAX and on TensorFlow."""
     counts = sorted({1, *range(2, max_devices + 1)})
     setups = [Setup("plain", 1)] + [Setup("ours", n) for n in counts]
+    setups += [Setup("plain_tf", 1)] + [Setup("ours_tf", n) for n in counts]
     for n in counts[1:]:
-        setups += [Setup("dataparallel", n), Setup("mirrored", n), Setup("independent", n)]
+        setups += [Setup("dataparallel", n), Setup("mirrored", n), Setup("independent", n),
+                   Setup("independent_tf", n)]
     return setups
 
 
