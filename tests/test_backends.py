@@ -27,7 +27,7 @@ def _fresh_import(monkeypatch, name):
 
 def test_backend_names():
     assert backends.BACKENDS == ("jax", "tensorflow", "torch")
-    assert len(set(backends.API)) == len(backends.API) == 17
+    assert len(set(backends.API)) == len(backends.API) == 18
     assert "resident" in backends.API
 
 
