@@ -628,16 +628,24 @@ def _moments(original, self, inputs, mask):
     """BatchNormalization's moments over the real rows of every replica (Keras's formulas)."""
     x = tf.cast(inputs, "float32") if inputs.dtype in (tf.float16, tf.bfloat16) else inputs
     axes = list(self._reduction_axes)
-    if mask is None:
-        weights = tf.ones_like(x)
-        epsilon = 0.0
+    if mask is None and 0 in axes:
+        # Every entry counts: n rows times the other reduced dimensions, known without an
+        # all-reduce, and no weights to multiply by (x * 1 is x: the same sums).
+        _, n, _ = _replica.counts
+        others = tf.gather(tf.shape(x), tf.constant([a for a in axes if a != 0], "int32"))
+        count = tf.cast(n, x.dtype) * tf.cast(tf.reduce_prod(others), x.dtype)
+        mean = tf.math.divide_no_nan(_weighted_sum(tf.reduce_sum(x, axes, keepdims=True)), count)
+        centred = x - mean
     else:
-        weights = tf.broadcast_to(tf.cast(tf.expand_dims(mask, -1), x.dtype), tf.shape(x))
-        epsilon = keras.backend.epsilon()
-    total = _weighted_sum(tf.reduce_sum(x * weights, axes, keepdims=True))
-    count = _weighted_sum(tf.reduce_sum(weights, axes, keepdims=True)) + epsilon
-    mean = tf.math.divide_no_nan(total, count)
-    centred = (x - mean) * weights
+        if mask is None:
+            weights, epsilon = tf.ones_like(x), 0.0
+        else:
+            weights = tf.broadcast_to(tf.cast(tf.expand_dims(mask, -1), x.dtype), tf.shape(x))
+            epsilon = keras.backend.epsilon()
+        total = _weighted_sum(tf.reduce_sum(x * weights, axes, keepdims=True))
+        count = _weighted_sum(tf.reduce_sum(weights, axes, keepdims=True)) + epsilon
+        mean = tf.math.divide_no_nan(total, count)
+        centred = (x - mean) * weights
     squares = _weighted_sum(tf.reduce_sum(tf.square(centred), axes, keepdims=True))
     variance = tf.math.divide_no_nan(squares, count)
     mean, variance = tf.squeeze(mean, axes), tf.squeeze(variance, axes)
