@@ -41,11 +41,12 @@ def _compile(model):
                   metrics=["accuracy"])
 
 
-def _train(gpus, rows, batch_size, epochs=2, **fit):
-    model = _bn_model()
+def _train(gpus, rows, batch_size, epochs=2, build=_bn_model, compile=_compile, data=None,
+           **fit):
+    model = build()
     target = model if gpus is None else kmg.multi_gpu_model(model, gpus=gpus)
-    _compile(target)
-    x, y = _data(rows)
+    compile(target)
+    x, y = _data(rows) if data is None else data
     fit.setdefault("shuffle", False)
     history = target.fit(x, y, batch_size=batch_size, epochs=epochs, verbose=0, **fit)
     return model, target, history.history
@@ -110,14 +111,8 @@ def _random_model():
 def test_random_layers_draw_what_one_device_draws(gpus, rows, batch_size):
     """Dropout, SpatialDropout, GaussianNoise and an own `keras.random.normal`: each row gets
     the numbers it gets on one device, whichever device it lands on."""
-    runs = []
-    for count in (None, gpus):
-        model = _random_model()
-        target = model if count is None else kmg.multi_gpu_model(model, gpus=count)
-        _compile(target)
-        x, y = _data(rows)
-        runs.append((model, target, target.fit(x, y, batch_size=batch_size, epochs=2,
-                                               verbose=0).history))
+    runs = [_train(count, rows, batch_size, build=_random_model, shuffle=True)
+            for count in (None, gpus)]
     _assert_same(*runs)
 
 
@@ -140,16 +135,17 @@ def test_lookups_under_optimizers_that_square_sparse_gradients(gpus, optimizer):
     have one device's rows: one per token looked up, and one per position (not one per
     position per device)."""
     x, y = np.random.RandomState(3).randint(0, 50, (45, 7)), np.arange(45) % 2
-    runs = []
-    for count in (None, gpus):
+
+    def build():
         keras.utils.set_random_seed(0)
-        model = keras.Sequential([keras.Input((7,), dtype="int32"), _TokensAndPositions(),
-                                  keras.layers.GlobalAveragePooling1D(),
-                                  keras.layers.Dense(2, activation="softmax")])
-        target = model if count is None else kmg.multi_gpu_model(model, gpus=count)
-        target.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy")
-        runs.append((model, target, target.fit(x, y, batch_size=10, epochs=3, verbose=0,
-                                               shuffle=False).history))
+        return keras.Sequential([keras.Input((7,), dtype="int32"), _TokensAndPositions(),
+                                 keras.layers.GlobalAveragePooling1D(),
+                                 keras.layers.Dense(2, activation="softmax")])
+
+    runs = [_train(count, len(x), 10, epochs=3, build=build, data=(x, y),
+                   compile=lambda target: target.compile(
+                       optimizer=optimizer, loss="sparse_categorical_crossentropy"))
+            for count in (None, gpus)]
     _assert_same(*runs)
 
 
@@ -160,14 +156,9 @@ def test_lookups_under_optimizers_that_square_sparse_gradients(gpus, optimizer):
 ], ids=["accumulation", "ema"])
 def test_optimizers_that_choose_per_step(gpus, optimizer):
     """Gradient accumulation and EMA overwrites pick, each step, whether to update."""
-    runs = []
-    for count in (None, gpus):
-        model = _bn_model()
-        target = model if count is None else kmg.multi_gpu_model(model, gpus=count)
-        target.compile(optimizer=optimizer(), loss="sparse_categorical_crossentropy")
-        x, y = _data(99)
-        runs.append((model, target, target.fit(x, y, batch_size=25, epochs=2, verbose=0,
-                                               shuffle=False).history))
+    runs = [_train(count, 99, 25, compile=lambda target: target.compile(
+                optimizer=optimizer(), loss="sparse_categorical_crossentropy"))
+            for count in (None, gpus)]
     _assert_same(*runs)
 
 
