@@ -3,12 +3,19 @@
 Both variables must be set before Keras picks its backend and before JAX
 starts, hence here, at the top of conftest. Tests take the first k devices
 with `gpus=k`, so one process covers every device count from 1 to 8.
+
+The torch engine runs one process per device instead. Under
+KERAS_BACKEND=torch, a test whose `gpus` parameter (or `ranks` mark) is k > 1
+runs whole in k forked processes joined by gloo, as `keras-multigpu launch
+-n k` would run it (see `pytest_pyfunc_call`): every process makes the
+test's own comparisons, and the test fails when any of them fails.
 """
 
 import os
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
-os.environ.setdefault("KERAS_MULTIGPU_CPU_DEVICES", "8")
+if os.environ["KERAS_BACKEND"] != "torch":
+    os.environ.setdefault("KERAS_MULTIGPU_CPU_DEVICES", "8")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -74,6 +81,33 @@ def assert_weights_close(a, b, atol=1e-5):
     assert len(a) == len(b)
     for i, (u, v) in enumerate(zip(a, b)):
         np.testing.assert_allclose(u, v, atol=atol, rtol=1e-5, err_msg=f"weight {i}")
+
+
+def _world(item):
+    marker = item.get_closest_marker("ranks")
+    if marker is not None:
+        return marker.args[0]
+    gpus = getattr(item, "funcargs", {}).get("gpus")
+    return gpus if isinstance(gpus, int) else 1
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "ranks(n): under the torch backend, run the test in n processes")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """Under torch, runs a multi-device test in that many forked, gloo-joined processes."""
+    world = _world(pyfuncitem)
+    if keras.backend.backend() != "torch" or world <= 1:
+        return None
+    import _ranks
+
+    arguments = {name: pyfuncitem.funcargs[name]
+                 for name in pyfuncitem._fixtureinfo.argnames}
+    _ranks.run(world, lambda: pyfuncitem.obj(**arguments))
+    return True
 
 
 __all__ = ["kmg", "classification_data", "assert_weights_close", "cifar_dir"]

@@ -193,6 +193,7 @@ def test_every_batchs_logs_are_one_devices(gpus):
                                        err_msg=key)
 
 
+@pytest.mark.ranks(3)
 def test_moving_statistics_are_the_global_batch():
     reference, run = _train(None, 99, 25)[0], _train(3, 99, 25)[0]
     bn = [layer for layer in run.layers if isinstance(layer, keras.layers.BatchNormalization)][0]
@@ -238,6 +239,15 @@ class OwnStep(keras.Model):
     def train_step(self, *args):
         if BACKEND == "jax":
             return super().train_step(*args)  # Keras's own (stateless) step calls compute_loss
+        if BACKEND == "torch":
+            x, y = args[-1]
+            self.zero_grad()
+            loss = self.compute_loss(y=y, y_pred=self(x, training=True))
+            loss.backward()
+            variables = self.trainable_variables
+            self.optimizer.apply([v.value.grad for v in variables], variables)
+            self.tracker.update_state(loss)
+            return {"own_loss": self.tracker.result()}
         import tensorflow as tf
 
         x, y = args[-1]
@@ -268,6 +278,7 @@ def test_own_train_step_with_its_own_mean(gpus):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=ATOL)
 
 
+@pytest.mark.ranks(3)
 def test_callbacks_checkpoint_and_early_stopping(tmp_path):
     path = str(tmp_path / "best.keras")
     callbacks = [keras.callbacks.ModelCheckpoint(path, monitor="loss", save_best_only=True),
@@ -281,9 +292,10 @@ def test_callbacks_checkpoint_and_early_stopping(tmp_path):
                                rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.ranks(2)
 def test_wrapping_twice_and_the_template_alone_after(tmp_path):
     model, target, _ = _train(2, 99, 25)
-    again = kmg.multi_gpu_model(target, gpus=3)
+    again = kmg.multi_gpu_model(target, gpus=2 if BACKEND == "torch" else 3)
     assert again.template is model
     _compile(again)
     x, y = _data(99)
@@ -342,10 +354,14 @@ def test_too_few_cpu_devices_after_start_says_what_to_do():
                             capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-2000:]
     message = result.stdout.split("ERROR", 1)[1]
+    if BACKEND == "torch":
+        # One process per device: `python -c` cannot be relaunched, and the message says how.
+        assert "keras-multigpu launch -n 3" in message
+        return
     assert "KERAS_MULTIGPU_CPU_DEVICES" in message or "gpus=3" in message
 
 
-OTHER = {"jax": "tensorflow", "tensorflow": "jax"}.get(BACKEND)
+OTHER = {"jax": "tensorflow", "tensorflow": "jax", "torch": "jax"}.get(BACKEND)
 
 LOAD = r"""
 import json, sys
@@ -359,6 +375,7 @@ print(json.dumps({"backend": keras.backend.backend()}))
 
 
 @pytest.mark.skipif(OTHER is None, reason="no other backend to load into")
+@pytest.mark.ranks(2)
 def test_a_saved_model_loads_under_the_other_backend(tmp_path):
     pytest.importorskip(OTHER)
     model, target, _ = _train(2, 99, 25)

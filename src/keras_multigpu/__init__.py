@@ -18,19 +18,25 @@ import os as _os
 
 # JAX is the exact engine (see the README's backend table); Keras would otherwise pick
 # TensorFlow. An explicit KERAS_BACKEND, or a Keras already imported, wins.
+_GIVEN_BACKEND = _os.environ.get("KERAS_BACKEND")  # `launch` passes the user's own on
 _os.environ.setdefault("KERAS_BACKEND", "jax")
 
 from keras_multigpu import backends as _backends  # noqa: E402
-from keras_multigpu import schedules
-from keras_multigpu.devices import Device, list_devices
-from keras_multigpu.devices import cpu_device_count as _cpu_device_count
-from keras_multigpu.parallel import ParallelModel, multi_gpu_model
+from keras_multigpu import schedules  # noqa: E402
+from keras_multigpu.devices import Device, list_devices  # noqa: E402
+from keras_multigpu.devices import cpu_device_count as _cpu_device_count  # noqa: E402
+from keras_multigpu.parallel import ParallelModel, multi_gpu_model  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Device", "ParallelModel", "list_devices", "multi_gpu_model", "schedules", "__version__",
 ]
+
+if "LOCAL_RANK" in _os.environ:
+    # Started by `keras-multigpu launch` (or torchrun): the engine picks this process's
+    # device before the user's model is built on one.
+    _backends.current()
 
 if _cpu_device_count():
     _backends.current().configure_cpu_devices(_cpu_device_count())

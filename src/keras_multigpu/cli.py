@@ -1,4 +1,4 @@
-"""The `keras-multigpu` command: `devices`, `train`, `compare` and `bench`.
+"""The `keras-multigpu` command: `devices`, `train`, `compare`, `bench` and `launch`.
 
 Exit status: 0 on success; 1 when a run ends below `--target-acc`; 2 for a
 user's mistake (a bad flag, data folder or `--output`), reported in one line
@@ -342,6 +342,39 @@ def cmd_bench(args):
     return 0
 
 
+def _port(text):
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number from 1 to 65535, got {text!r}")
+    return value
+
+
+def _default_processes():
+    """One process per GPU; on a CPU-only machine, KERAS_MULTIGPU_CPU_DEVICES (else 1)."""
+    return len(devices_lib.list_devices())
+
+
+def cmd_launch(args):
+    import keras_multigpu
+    from keras_multigpu import launch
+
+    command = (["-m"] if args.module else []) + [args.script, *args.args]
+    base = dict(os.environ)
+    if keras_multigpu._GIVEN_BACKEND is None:
+        base.pop("KERAS_BACKEND", None)  # as the user had it: Keras's config decides
+    try:
+        return launch.launch(
+            args.nproc or _default_processes(), command, address=args.master_addr,
+            port=args.master_port, quiet_ranks=args.quiet_ranks, timeout=args.timeout,
+            base_env=base,
+        )
+    except launch.LaunchError as error:
+        raise UsageError(str(error)) from None
+
+
 def build_parser():
     parser = argparse.ArgumentParser(
         prog="keras-multigpu",
@@ -414,6 +447,26 @@ def build_parser():
                        help="seconds per worker")
     bench.add_argument("--output", default="runs/bench", help="folder for the results")
     bench.set_defaults(func=cmd_bench)
+
+    launch = command("launch", "run a script as one process per device (as torchrun does)")
+    launch.add_argument("-n", "--nproc-per-node", "--nproc", dest="nproc", type=_positive_int,
+                        default=None,
+                        help="processes to start (default: one per GPU; on a CPU-only machine "
+                             "KERAS_MULTIGPU_CPU_DEVICES, else 1)")
+    launch.add_argument("--master-addr", default="127.0.0.1",
+                        help="address the processes meet at")
+    launch.add_argument("--master-port", type=_port, default=None,
+                        help="port they meet at (default: a free one)")
+    launch.add_argument("--quiet-ranks", action="store_true",
+                        help="show rank 0's output only (default: every rank's, prefixed)")
+    launch.add_argument("--timeout", type=_positive_float, default=None,
+                        help="seconds a collective waits for the other processes before it "
+                             "fails (default: KERAS_MULTIGPU_TIMEOUT, else 300)")
+    launch.add_argument("-m", "--module", action="store_true",
+                        help="run SCRIPT as a module (python -m SCRIPT)")
+    launch.add_argument("script", help="the Python script (or module, with -m)")
+    launch.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
+    launch.set_defaults(func=cmd_launch)
     return parser
 
 

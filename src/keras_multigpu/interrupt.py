@@ -25,9 +25,19 @@ class Interrupted(KeyboardInterrupt):
 class _State:
     requested = False
     depth = 0
+    # Processes that train together must stop at the same step: an engine with
+    # several processes sets this to a function that tells whether any of them
+    # was asked to stop (`set_agreement`).
+    agree = staticmethod(lambda requested: requested)
 
 
 _STATE = _State()
+
+
+def set_agreement(agree):
+    """Makes every step boundary ask `agree(requested)` whether to stop (every process
+    calls it at the same boundaries, so they stop together)."""
+    _STATE.agree = agree
 
 
 def _handler(signum, frame):
@@ -84,7 +94,7 @@ class StopOnInterrupt(keras.callbacks.Callback):
     async_safe = True
 
     def _check(self, *args, **kwargs):
-        if _STATE.requested:
+        if _STATE.agree(_STATE.requested):
             raise Interrupted("Stopped by Ctrl-C at a step boundary.")
 
     on_epoch_begin = on_train_batch_begin = on_test_batch_begin = _check

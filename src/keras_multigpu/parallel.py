@@ -132,7 +132,12 @@ class ParallelModel(keras.Model):
     def __getattr__(self, name):
         # Only reached when normal lookup fails: the template's own public
         # attributes (output_names, an encoder, ...) read through the wrapper.
-        template = self.__dict__.get("template")
+        with contextlib.suppress(AttributeError):
+            # The torch backend keeps sub-modules (the template among them) in
+            # torch.nn.Module's own tables, which its __getattr__ reads.
+            return super().__getattr__(name)
+        template = self.__dict__.get("template") or self.__dict__.get("_modules", {}).get(
+            "template")
         if template is None or name.startswith("_"):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return getattr(template, name)
@@ -172,15 +177,20 @@ class ParallelModel(keras.Model):
     def _placed(self):
         """The distribution scope, with every existing variable replicated."""
         self._active += 1
+        failed = False
         try:
             with self._scope():
                 self._replicate_state()
                 yield
+        except BaseException:
+            failed = True
+            raise
         finally:
             self._active -= 1
             if not self._active:
                 variables, optimizer = self._state()
-                self._backend.release(variables, self._distribution, optimizer=optimizer)
+                self._backend.release(variables, self._distribution, optimizer=optimizer,
+                                      failed=failed)
 
     def reset_metrics(self):
         # Keras resets metrics at every epoch and evaluate with fresh arrays on
@@ -266,7 +276,8 @@ class ParallelModel(keras.Model):
 
     def predict_step(self, *args):
         *state, data = args
-        return self._backend.run_step(lambda rows: self.template.predict_step(*state, rows), data)
+        return self._backend.run_step(lambda rows: self.template.predict_step(*state, rows), data,
+                                      rows_out=True)
 
     # -- training and inference -----------------------------------------
 
@@ -329,6 +340,8 @@ class ParallelModel(keras.Model):
                 *keras.utils.unpack_x_y_sample_weight(validation_data),
                 batch_size=validation_batch_size or batch_size,
             )
+        if self._backend.process_index() != 0:
+            callbacks = _readers(callbacks)
         # Keras's own list, built here so that an interruption can end it.
         callbacks = interrupt.with_stop(callbacks)
         if not isinstance(callbacks, keras.callbacks.CallbackList):
@@ -411,16 +424,21 @@ class ParallelModel(keras.Model):
     # -- the template's face --------------------------------------------
 
     def save(self, filepath, overwrite=True, **kwargs):
-        """Saves the template as a plain `.keras` file, atomically."""
+        """Saves the template as a plain `.keras` file, atomically (by one process only)."""
         if not overwrite and os.path.exists(filepath):
             raise FileExistsError(f"{filepath} exists and overwrite=False.")
+        if self._backend.process_count() > 1:
+            # The engine writes on the first process, atomically, and waits for it.
+            return self.template.save(filepath, **kwargs)
         with atomic_path(filepath, ".keras") as tmp:
             self.template.save(tmp, **kwargs)
 
     def save_weights(self, filepath, overwrite=True, **kwargs):
-        """Saves the template's weights (`.weights.h5`), atomically."""
+        """Saves the template's weights (`.weights.h5`), atomically (by one process only)."""
         if not overwrite and os.path.exists(filepath):
             raise FileExistsError(f"{filepath} exists and overwrite=False.")
+        if self._backend.process_count() > 1:
+            return self.template.save_weights(filepath, **kwargs)
         with atomic_path(filepath, ".weights.h5") as tmp:
             self.template.save_weights(tmp, **kwargs)
 
@@ -465,6 +483,38 @@ class ParallelModel(keras.Model):
     @property
     def outputs(self):
         return self.template.outputs
+
+
+# Callbacks that write files of their own: with several processes, only the first runs them.
+# (ModelCheckpoint and BackupAndRestore save through the model, which writes on the first
+# process alone; BackupAndRestore still restores on every process.)
+_WRITERS = (keras.callbacks.CSVLogger, keras.callbacks.TensorBoard)
+
+
+class _RestoreOnly(keras.callbacks.Callback):
+    """A `BackupAndRestore` on a process that does not write: it restores, nothing else."""
+
+    def __init__(self, callback):
+        super().__init__()
+        self.callback = callback
+
+    def set_model(self, model):
+        super().set_model(model)
+        self.callback.set_model(model)
+
+    def on_train_begin(self, logs=None):
+        self.callback.on_train_begin(logs)
+
+
+def _readers(callbacks):
+    """The callbacks a process other than the first runs (see `_WRITERS`)."""
+    if callbacks is None or isinstance(callbacks, keras.callbacks.CallbackList):
+        return callbacks
+    listed = callbacks if isinstance(callbacks, (list, tuple)) else [callbacks]
+    return [
+        _RestoreOnly(c) if isinstance(c, keras.callbacks.BackupAndRestore) else c
+        for c in listed if not isinstance(c, _WRITERS)
+    ]
 
 
 def _close(dataset):

@@ -19,8 +19,9 @@ Every backend module defines the names in `API`:
 - `replicate(variables, distribution, optimizer=None)`: place existing
   variables on every device of `distribution` (models are usually built
   before it exists), and point `optimizer` at the engine.
-- `release(variables, distribution, optimizer=None)`: at the end of a
-  call, leave the variables usable by the model alone (outside the engine).
+- `release(variables, distribution, optimizer=None, failed=False)`: at the
+  end of a call (`failed`: ended by an exception), leave the variables
+  usable by the model alone (outside the engine).
 - `resident(arrays, distribution)`: place a dataset on the devices once and
   return `take(index)`, which gathers a batch there, already split.
 - `shard(arrays, distribution)`: place one host batch on the devices, split
@@ -36,14 +37,17 @@ Every backend module defines the names in `API`:
 - `untag(data)`: inside the compiled step, the real rows of a tagged batch
   (any other data unchanged), so that the model's own step sees exactly the
   rows one device would.
-- `run_step(step, data)`: inside the compiled step, call the model's own
-  `step` on the real rows of `data`, with whatever the engine needs around
-  it to make the result one device's (the TensorFlow engine weighs each
-  replica's reductions there).
+- `run_step(step, data, rows_out=False)`: inside the compiled step, call
+  the model's own `step` on the real rows of `data`, with whatever the
+  engine needs around it to make the result one device's (the TensorFlow
+  and torch engines weigh each replica's reductions there). `rows_out`
+  (predict): the result has a row per input row, and must hold all of them.
 - `batch_spec(iterator)`: for trainers that build before tracing
   (TensorFlow's), the batch structure as KerasTensors, without reading a
   batch (None where the engine reads one itself).
-- `process_index()`, `process_count()`: this host's rank and the host count.
+- `process_index()`, `process_count()`: this process's rank and the process
+  count (the torch engine runs one process per device; the others, one per
+  host).
 """
 
 import functools

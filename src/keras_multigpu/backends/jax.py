@@ -23,9 +23,9 @@ import jax
 import keras
 import numpy as np
 from jax._src import xla_bridge
-from keras import tree
 
 from keras_multigpu import _xla
+from keras_multigpu.backends._marker import tag, untag  # noqa: F401 (the seam's names)
 from keras_multigpu.devices import Device
 
 logger = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ def replicate(variables, distribution, optimizer=None):
         variable.assign(value)
 
 
-def release(variables, distribution, optimizer=None):
+def release(variables, distribution, optimizer=None, failed=False):
     """Nothing to undo: replicated arrays serve the model on one device too."""
 
 
@@ -195,60 +195,10 @@ def free_memory(devices):
     return free
 
 
-# The keys of a tagged batch: no Keras batch is a dict with exactly these two.
-_BATCH, _ROWS = "keras_multigpu_batch", "keras_multigpu_rows"
+def run_step(step, data, rows_out=False):
+    """Runs `step` (the model's own) on the real rows of `data`, once for the whole mesh.
 
-
-def tag(batch, rows, replicas):
-    """The padded `batch` as fed to Keras, marked with its real row count.
-
-    Args:
-        batch: `(x,)`, `(x, y)` or `(x, y, sample_weight)`, every array
-            padded to a multiple of `replicas` rows, real rows first.
-        rows: how many leading rows are real.
-        replicas: the device count.
-
-    Returns:
-        `(tagged,)`: Keras takes it for an `(x,)` batch, whatever the input
-        kind (generators must yield tuples), and hands it to the step whole.
-    """
-    return ({_BATCH: batch, _ROWS: np.zeros((replicas, rows), "bool")},)
-
-
-def _tagged(data):
-    return isinstance(data, dict) and data.keys() == {_BATCH, _ROWS}
-
-
-def untag(data):
-    """Inside the step: the real rows of a tagged batch, else `data` itself.
-
-    Accepts `(tagged,)` as `tag` returns it, and the `(tagged, None, None)`
-    that Keras's `*_on_batch` methods build around their `x`.
-    """
-    if isinstance(data, tuple) and data and _tagged(data[0]):
-        if any(part is not None for part in data[1:]):
-            raise ValueError("A tagged batch must travel alone.")
-        data = data[0]
-    if not _tagged(data):
-        return data
-    rows = data[_ROWS].shape[1]
-    batch = data[_BATCH]
-    first = next(leaf for leaf in tree.flatten(batch) if leaf is not None)
-    if first.shape[0] == rows:
-        return batch
-    return tree.map_structure(lambda a: _head(a, rows), batch)
-
-
-def _head(array, rows):
-    if array is None:
-        return None
-    if isinstance(array, keras.KerasTensor):  # Keras's symbolic build
-        return keras.KerasTensor((rows, *array.shape[1:]), array.dtype)
-    return array[:rows]
-
-
-def run_step(step, data):
-    """Runs `step` (the model's own) on the real rows of `data`, once for the whole mesh."""
+    Its outputs cover every row already (`rows_out` needs nothing here)."""
     return step(untag(data))
 
 

@@ -228,7 +228,7 @@ def replicate(variables, distribution, optimizer=None):
             _reindex(optimizer)
 
 
-def release(variables, distribution, optimizer=None):
+def release(variables, distribution, optimizer=None, failed=False):
     """Swaps plain variables, holding the trained values, back in after a call.
 
     The user's model then trains, predicts and saves on its own, outside any
@@ -392,8 +392,10 @@ def _counts(data):
     return k, k * replicas, replica * k
 
 
-def run_step(step, data):
-    """Runs `step` (the model's own) on this replica's real rows, under the rules above."""
+def run_step(step, data, rows_out=False):
+    """Runs `step` (the model's own) on this replica's real rows, under the rules above.
+
+    With `rows_out` (predict), Keras concatenates the replicas' rows itself."""
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1 and not _tagged(_unwrap(data)):
         return step(untag(data))

@@ -1,8 +1,747 @@
-"""The torch engine is not built yet: every entry point says so clearly."""
+"""PyTorch engine: one process per device, joined by torch.distributed.
 
-from keras_multigpu.backends import API
-from keras_multigpu.backends._unsupported import unsupported
+Keras's own torch trainer runs in every process (`keras-multigpu launch`
+or `torchrun` starts them; `python script.py` relaunches itself under the
+launcher). NCCL joins GPUs, gloo joins CPU processes. Every process reads
+the whole global batch (the same data, in the same order: the random
+generators are rank 0's) and its step runs on its own contiguous share of
+the real rows, k_r of n. Exactness comes from the rule the TensorFlow
+engine keeps, with torch's collectives:
 
-for _name in API:
-    globals()[_name] = unsupported("torch", _name, quiet=_name == "configure_cpu_devices")
-del _name
+    one device's value = sum over ranks r of (k_r / n) * value_r
+
+- gradients are weighed by k_r / n and all-reduced (summed, one flat
+  buffer per dtype) before the optimizer clips, accumulates or applies
+  them, so a custom `train_step` with its own mean loss is exact;
+- losses that are not plain means (`reduction="sum"`, masks,
+  `mean_with_sample_weight`) are rescaled so the rule holds for them too,
+  and a scalar `Mean` update without a weight is weighed by k_r / n;
+- BatchNormalization's moments are the global batch's: sums over every
+  rank's real rows, all-reduced with torch.distributed's autograd-aware
+  collective, so gradients flow back through every rank's rows;
+- draws whose first dimension is the rank's rows (Dropout, GaussianNoise,
+  `keras.random.normal(shape(x))`) are drawn for the global batch and
+  sliced, so every row gets the numbers it gets on one device;
+- a metric's `result()` all-reduces its state first, so every rank's logs
+  and callbacks see the global figures and decide alike;
+- `predict` all-gathers the rows: every rank returns every row, in order.
+
+Only rank 0 writes Keras files (`save`, `save_weights`, checkpoints), atomically,
+and every save and every call ends at a barrier, so every rank can then read
+them.
+"""
+
+import contextlib
+import datetime
+import functools
+import inspect
+import os
+import random
+import shlex
+import sys
+import threading
+import warnings
+
+import keras
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
+from keras import tree
+from keras.src.backend.torch import random as torch_random
+from keras.src.layers.normalization import batch_normalization
+from keras.src.losses import loss as loss_module
+from keras.src.metrics import metric as metric_module
+from keras.src.metrics import reduction_metrics
+from keras.src.optimizers import base_optimizer
+from keras.src.random import seed_generator
+from keras.src.saving import saving_api
+
+from keras_multigpu import interrupt
+from keras_multigpu._io import atomic_path
+from keras_multigpu.backends._marker import tag, untag  # noqa: F401 (the seam's names)
+from keras_multigpu.devices import Device, cpu_device_count
+
+# Seconds a collective may wait for the other processes before it fails.
+TIMEOUT_ENV = "KERAS_MULTIGPU_TIMEOUT"
+DEFAULT_TIMEOUT = 300
+# Set to 0 to train on one device instead of relaunching `python script.py`.
+RELAUNCH_ENV = "KERAS_MULTIGPU_RELAUNCH"
+_LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+# Inside a step run by `run_step`: `counts`, (k, n, start) as ints; None elsewhere.
+_replica = threading.local()
+
+if "LOCAL_RANK" in os.environ and torch.cuda.is_available():
+    # Before the user's model exists: Keras creates variables on "cuda", the current device.
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+
+
+def configure_cpu_devices(count):
+    """Nothing to configure: each CPU "device" is a process of its own."""
+    return True
+
+
+def _launched():
+    return all(name in os.environ for name in _LAUNCH_VARIABLES)
+
+
+def _kind():
+    return ("gpu", torch.cuda.get_device_name()) if torch.cuda.is_available() else ("cpu", "CPU")
+
+
+def list_devices():
+    """One device per process when launched; else this machine's GPUs (or CPU devices).
+
+    Outside the launcher, more than one device means `multi_gpu_model`
+    relaunches the script, unless KERAS_MULTIGPU_RELAUNCH=0 asks for one
+    device.
+    """
+    kind, name = _kind()
+    if _launched():
+        world = int(os.environ["WORLD_SIZE"])
+        return [Device(r, kind, name) for r in range(world)]
+    count = torch.cuda.device_count() if kind == "gpu" else (cpu_device_count() or 1)
+    if count > 1 and os.environ.get(RELAUNCH_ENV, "1") == "0":
+        warnings.warn(
+            f"{RELAUNCH_ENV}=0: training on one of this machine's {count} devices. The "
+            "torch engine runs one process per device: start the script with "
+            f"`keras-multigpu launch -n {count} ...` to use them all.",
+            stacklevel=3,
+        )
+        count = 1
+    return [Device(i, kind, name if kind == "gpu" or count == 1 else "CPU process")
+            for i in range(count)]
+
+
+class Engine:
+    """The process group this process belongs to, and its rank."""
+
+    def __init__(self, devices):
+        self.devices = tuple(devices)
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+
+    def scope(self):
+        return scope(self)
+
+
+def _timeout():
+    raw = os.environ.get(TIMEOUT_ENV, str(DEFAULT_TIMEOUT))
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = 0
+    if seconds <= 0:
+        raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds. Received: "
+                         f"{TIMEOUT_ENV}={raw!r}.")
+    return seconds
+
+
+def _script_command():
+    """The command that runs this script again, or None where there is none (a REPL)."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    path = getattr(main, "__file__", None)
+    if hasattr(sys, "ps1") or sys.flags.interactive or path is None or not os.path.isfile(path):
+        return None
+    if spec is not None and spec.name and spec.name != "__main__":
+        return ["-m", spec.name.removesuffix(".__main__"), *sys.argv[1:]]
+    return [path, *sys.argv[1:]]
+
+
+def _relaunch(count):
+    """Runs this script again under `keras-multigpu launch -n count` (never returns)."""
+    command = _script_command()
+    if command is None:
+        raise RuntimeError(
+            f"The torch engine runs one process per device, and this interactive session "
+            f"cannot be relaunched on {count} processes. Save the code as a script and run "
+            f"`keras-multigpu launch -n {count} script.py`, or pass gpus=1 to "
+            "multi_gpu_model to train on one device here."
+        )
+    args = [sys.executable, "-m", "keras_multigpu.cli", "launch", "-n", str(count), *command]
+    sys.stdout.flush()
+    print(f"keras_multigpu: relaunching as `keras-multigpu launch -n {count} "
+          f"{shlex.join(command)}` (one process per device; set {RELAUNCH_ENV}=0 to train on "
+          "one device instead).", file=sys.stderr, flush=True)
+    os.execv(sys.executable, args)
+
+
+def _join():
+    """Joins the process group the launcher (or torchrun) described, once."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    timeout = datetime.timedelta(seconds=_timeout())
+    try:
+        dist.init_process_group(backend, timeout=timeout)
+    except Exception as error:  # noqa: BLE001 (torch raises several kinds here)
+        raise RuntimeError(
+            f"Rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} could not join the "
+            f"others at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}: {error}. "
+            "Start every process with `keras-multigpu launch` (or torchrun), with the same "
+            "MASTER_ADDR and MASTER_PORT."
+        ) from error
+    # Every rank draws what rank 0 draws: shuffling, Keras's default seeds, dropout.
+    states = [random.getstate(), np.random.get_state(), torch.get_rng_state()]
+    dist.broadcast_object_list(states, src=0)
+    random.setstate(states[0])
+    np.random.set_state(states[1])
+    torch.set_rng_state(states[2])
+    _install_process_rules()
+
+
+def make_distribution(devices):
+    if len(devices) > 1 and not _launched():
+        _relaunch(len(devices))
+    if _launched():
+        world = int(os.environ["WORLD_SIZE"])
+        if len(devices) != world:
+            raise ValueError(
+                f"multi_gpu_model chose {len(devices)} device(s), but this program runs as "
+                f"{world} processes (WORLD_SIZE={world}), one per device. Pass gpus=None, or "
+                f"launch it with -n {len(devices)}."
+            )
+        if world > 1:
+            _join()
+    return Engine(devices)
+
+
+def check_model(model):
+    """Any Keras model can be distributed here."""
+
+
+def jit_compile(value):
+    """Eager: the rules below are Python, which `torch.compile` would trace away."""
+    return False
+
+
+# -- collectives ----------------------------------------------------------
+
+
+class CollectiveError(RuntimeError):
+    """A collective across the processes failed (a peer died, or hung past the timeout)."""
+
+
+def _collective(what, function, *args, **kwargs):
+    try:
+        return function(*args, **kwargs)
+    except RuntimeError as error:
+        text = str(error)
+        hung = "timed out" in text.lower() or "timeout" in text.lower()
+        cause = (f"another process did not join it within {TIMEOUT_ENV}={_timeout():g} s "
+                 "(it hangs, or is far behind)" if hung else
+                 "another process has stopped (see its own error)")
+        raise CollectiveError(
+            f"Rank {dist.get_rank()} of {dist.get_world_size()}: the {what} across processes "
+            f"failed: {cause}. torch.distributed said: {text.splitlines()[0] if text else ''}"
+        ) from error
+
+
+def _flat_all_reduce(tensors, what, op=None):
+    """Sums `tensors` (a list) across processes, one flat buffer per dtype and device."""
+    op = dist.ReduceOp.SUM if op is None else op
+    groups = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.dtype, t.device), []).append(i)
+    out = list(tensors)
+    for indices in groups.values():
+        parts = [tensors[i] for i in indices]
+        flat = torch.cat([p.reshape(-1) for p in parts])
+        _collective(what, dist.all_reduce, flat, op=op)
+        offset = 0
+        for i, p in zip(indices, parts):
+            out[i] = flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+    return out
+
+
+def _broadcast(variables):
+    values = [v.value.detach() for v in variables]
+    if not values:
+        return
+    groups = {}
+    for i, t in enumerate(values):
+        groups.setdefault((t.dtype, t.device), []).append(i)
+    for indices in groups.values():
+        flat = torch.cat([values[i].reshape(-1) for i in indices])
+        _collective("broadcast of the weights from rank 0", dist.broadcast, flat, src=0)
+        offset = 0
+        for i in indices:
+            size = values[i].numel()
+            variables[i].assign(flat[offset:offset + size].view_as(values[i]))
+            offset += size
+
+
+def _active(distribution):
+    return distribution is not None and distribution.world > 1
+
+
+def replicate(variables, distribution, optimizer=None):
+    """Gives every process rank 0's values (the template's, the optimizer's, the metrics')."""
+    if _active(distribution):
+        _broadcast([v for v in variables if v._value is not None])
+
+
+def release(variables, distribution, optimizer=None, failed=False):
+    """Ends the call at a barrier, so files rank 0 wrote during it are there for every rank.
+
+    Not after a failure: the other processes may never reach it.
+    """
+    if _active(distribution) and not failed:
+        _collective("barrier at the end of the call", dist.barrier)
+
+
+# -- data -----------------------------------------------------------------
+
+
+def resident(arrays, distribution):
+    """Declined: each process converts and places its batches itself."""
+    return None
+
+
+def shard(arrays, distribution):
+    return arrays  # each process takes its share of the rows in `run_step`
+
+
+def array_order(num_samples, batch_size, shuffle):
+    """Shuffles array inputs as Keras's torch trainer does, rank 0's order on every rank.
+
+    Keras batches arrays with torch's `BatchSampler` over a `RandomSampler`
+    (or, with `shuffle="batch"`, a `randperm` of each batch), drawing from
+    torch's global generator as each pass starts. The same samplers are
+    used here; with several processes, rank 0's order is broadcast.
+    """
+    if not shuffle:
+        return None
+
+    def batches():
+        if shuffle == "batch":
+            for batch in torch.utils.data.BatchSampler(range(num_samples), batch_size, False):
+                yield [batch[i] for i in torch.randperm(len(batch))]
+        else:
+            yield from torch.utils.data.BatchSampler(
+                torch.utils.data.RandomSampler(range(num_samples)), batch_size, False)
+
+    def new_pass():
+        order = [np.asarray(b, "int64") for b in batches()]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            flat = torch.from_numpy(np.concatenate(order))
+            _collective("broadcast of the shuffled order", dist.broadcast, flat, src=0)
+            order = np.split(flat.numpy(), np.cumsum([len(b) for b in order])[:-1])
+        yield from order
+
+    return new_pass
+
+
+def free_memory(devices):
+    return [None] * len(devices)
+
+
+def batch_spec(iterator):
+    """Not used: Keras's torch trainer reads its build batch itself (`_symbolic_build`)."""
+    return None
+
+
+def process_index():
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def process_count():
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+# -- the step ---------------------------------------------------------------
+
+
+def _share(n, world, rank):
+    """(k, start): this rank's contiguous run of the n real rows (runs differ by at most 1)."""
+    k = n // world + (rank < n % world)
+    return k, rank * (n // world) + min(rank, n % world)
+
+
+def _rows_of(data):
+    first = next((leaf for leaf in tree.flatten(data) if leaf is not None), None)
+    return None if first is None else int(first.shape[0])
+
+
+def _gather_rows(outputs, k, n):
+    """Every rank's k rows of `outputs`, joined in rank order (one device's rows, in order)."""
+    world = dist.get_world_size()
+    per = -(-n // world)
+    counts = [_share(n, world, r)[0] for r in range(world)]
+
+    def gather(t):
+        if not isinstance(t, torch.Tensor) or t.ndim == 0:
+            return t
+        padded = torch.zeros((per, *t.shape[1:]), dtype=t.dtype, device=t.device)
+        padded[:k] = t
+        parts = [torch.empty_like(padded) for _ in range(world)]
+        _collective("gather of the predictions", dist.all_gather, parts, padded)
+        return torch.cat([p[:c] for p, c in zip(parts, counts)])
+
+    return tree.map_structure(gather, outputs)
+
+
+def run_step(step, data, rows_out=False):
+    """Runs `step` (the model's own) on this process's share of the real rows.
+
+    With `rows_out` (predict), the step's rows from every process are
+    gathered, so each returns one output row per input row, in order.
+    """
+    rows = untag(data)
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return step(rows)
+    n = _rows_of(rows)
+    if n is None:
+        return step(rows)
+    k, start = _share(n, dist.get_world_size(), dist.get_rank())
+    mine = tree.map_structure(lambda a: None if a is None else a[start:start + k], rows)
+    previous = getattr(_replica, "counts", None)
+    _replica.counts = (k, n, start)
+    try:
+        result = step(mine)
+    finally:
+        _replica.counts = previous
+    return _gather_rows(result, k, n) if rows_out else result
+
+
+# -- the rules, in force inside `scope` -----------------------------------
+
+
+def _weight():
+    """k / n of this process's step, or None outside one."""
+    counts = getattr(_replica, "counts", None)
+    if counts is None:
+        return None
+    k, n, _ = counts
+    return k / n if n else 0.0
+
+
+def _patched(owner, name, guard=_weight):
+    original = getattr(owner, name)
+
+    def decorate(function):
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            if guard() is None:
+                return original(*args, **kwargs)
+            return function(original, *args, **kwargs)
+
+        wrapper._keras_multigpu_original = original
+        return wrapper
+
+    return original, decorate
+
+
+def _apply(original, self, grads, trainable_variables=None):
+    """Weighted all-reduce of the gradients, then the optimizer's own apply."""
+    weight = _weight()
+    present = [i for i, g in enumerate(grads) if g is not None]
+    if present:
+        weighed = [torch.zeros_like(grads[i]) if weight == 0 else grads[i] * weight
+                   for i in present]
+        reduced = _flat_all_reduce(weighed, "all-reduce of the gradients")
+        grads = list(grads)
+        for i, g in zip(present, reduced):
+            grads[i] = g
+    # The optimizer's own step then runs outside the rules (it may call `apply` again).
+    counts, _replica.counts = _replica.counts, None
+    try:
+        return original(self, grads, trainable_variables)
+    finally:
+        _replica.counts = counts
+
+
+def _all_reduce(value):
+    """Sum across processes of a value no gradient flows through."""
+    value = torch.as_tensor(value).detach().clone()
+    _collective("all-reduce of a loss's divisor", dist.all_reduce, value)
+    return value
+
+
+def _rescale(n, k, dtype):
+    return torch.tensor(n / max(k, 1), dtype=dtype)
+
+
+def _reduce_values(original, values, sample_weight=None, reduction="sum_over_batch_size"):
+    if reduction is None or reduction == "none" or tuple(values.shape) == ():
+        return original(values, sample_weight, reduction)
+    k, n, _ = _replica.counts
+    if k == 0:
+        # A process with no rows this step (a batch smaller than the process count): a
+        # zero that still depends on the model, so its backward pass runs the same
+        # collectives as the others'.
+        return keras.ops.sum(values)
+    total = keras.ops.sum(values)
+    if reduction == "sum":
+        return total * _rescale(n, k, total.dtype)
+    if reduction == "mean_with_sample_weight" and sample_weight is not None:
+        divisor = _all_reduce(keras.ops.cast(keras.ops.sum(sample_weight), total.dtype))
+        return keras.ops.divide_no_nan(total, divisor) * _rescale(n, k, total.dtype)
+    if getattr(_replica, "masked", False):
+        # `_apply_mask` has already divided by the global count of valid entries.
+        _replica.masked = False
+        return total * _rescale(n, k, total.dtype)
+    size = keras.ops.cast(keras.ops.size(values), total.dtype)
+    return keras.ops.divide_no_nan(total, size)
+
+
+def _apply_mask(original, sample_weight, mask, dtype, reduction):
+    if mask is None or reduction not in ("mean", "sum_over_batch_size"):
+        return original(sample_weight, mask, dtype, reduction)
+    # One device divides by its valid entries; here, by every process's.
+    valid = _all_reduce(keras.ops.sum(keras.ops.cast(mask, dtype)))
+    float_mask = keras.ops.where(keras.ops.cast(mask, "bool"),
+                                 keras.ops.divide_no_nan(keras.ops.cast(1.0, dtype), valid), 0)
+    _replica.masked = True
+    if sample_weight is None:
+        return float_mask
+    sample_weight = keras.ops.cast(sample_weight, dtype)
+    float_mask, sample_weight = loss_module.squeeze_or_expand_to_same_rank(
+        float_mask, sample_weight)
+    return sample_weight * float_mask
+
+
+def _mean_update(original, self, values, sample_weight=None):
+    values = keras.ops.convert_to_tensor(values)
+    if sample_weight is None and values.ndim == 0:
+        weight = _weight()
+        values = values if weight > 0 else keras.ops.zeros_like(values)
+        sample_weight = weight
+    return original(self, values, sample_weight=sample_weight)
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """Identity forward; the gradient times `scale` backward."""
+
+    @staticmethod
+    def forward(ctx, value, scale):
+        ctx.scale = scale
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, upstream):
+        return upstream * ctx.scale, None
+
+
+def _weighted_sum(value):
+    """All-reduce (SUM) of `value` whose gradient keeps the rule.
+
+    Each process's gradient is weighed by k_r / n after its backward pass
+    (`_apply`), but a gradient that crosses processes here comes from every
+    process's loss: the upstream gradients are weighed by their own k_s / n
+    before torch's autograd-aware all-reduce sums them, and divided by this
+    process's weight, which the later weighing restores.
+    """
+    weight = _weight()
+    inverse = 0.0 if weight == 0 else 1.0 / weight
+    with warnings.catch_warnings():
+        # torch 2.13 marks this module deprecated; it is still its autograd-aware collective.
+        warnings.simplefilter("ignore", FutureWarning)
+        summed = _collective("all-reduce of BatchNormalization's moments", dist_nn.all_reduce,
+                             _ScaleGradient.apply(value, inverse))
+    return _ScaleGradient.apply(summed, weight)
+
+
+def _moments(original, self, inputs, mask):
+    """BatchNormalization's moments over the real rows of every process (Keras's formulas)."""
+    x = inputs.float() if inputs.dtype in (torch.float16, torch.bfloat16) else inputs
+    axes = list(self._reduction_axes)
+    if mask is None and 0 in axes:
+        # Every entry counts: n rows times the other reduced dimensions, known without
+        # an all-reduce.
+        _, n, _ = _replica.counts
+        count = float(n * int(np.prod([x.shape[a] for a in axes if a != 0])))
+        mean = _weighted_sum(torch.sum(x, axes, keepdim=True)) / count if count else (
+            torch.zeros_like(torch.sum(x, axes, keepdim=True)))
+        centred = x - mean
+    else:
+        if mask is None:
+            weights, epsilon = torch.ones_like(x), 0.0
+        else:
+            weights = torch.broadcast_to(mask.to(x.dtype).unsqueeze(-1), x.shape)
+            epsilon = keras.backend.epsilon()
+        total = _weighted_sum(torch.sum(x * weights, axes, keepdim=True))
+        count = _weighted_sum(torch.sum(weights, axes, keepdim=True)) + epsilon
+        mean = torch.nan_to_num(total / count)
+        centred = (x - mean) * weights
+    squares = _weighted_sum(torch.sum(torch.square(centred), axes, keepdim=True))
+    variance = torch.nan_to_num(squares / count)
+    mean, variance = torch.squeeze(mean, axes), torch.squeeze(variance, axes)
+    return mean.to(inputs.dtype), variance.to(inputs.dtype)
+
+
+class _Drawn(seed_generator.SeedGenerator):
+    """A seed already drawn, handed to Keras's draw functions as a generator would be."""
+
+    def __init__(self, value):  # no state variable: `next` only returns `value`
+        self.value = value
+        self._initial_seed = 0
+
+    def next(self, ordered=True):
+        return self.value
+
+
+def _batch_draw(draw, shape, seed):
+    """`draw(shape, seed)`; a draw whose first dimension is this process's rows is made for
+    the global batch and sliced, so every row gets the numbers it gets on one device.
+
+    In eager torch a shape is plain ints: a first dimension equal to k (and not n)
+    is taken for the batch's.
+    """
+    shape = list(shape)
+    k, n, start = _replica.counts
+    if not shape or int(shape[0]) != k or k == n:
+        return draw(shape, seed)
+    if seed is not None and not (isinstance(seed, seed_generator.SeedGenerator)
+                                 and seed._initial_seed is None):
+        seed = _Drawn(seed_generator.draw_seed(seed))
+    return draw([n, *shape[1:]], seed)[start:start + k]
+
+
+def _random(original, *args, **kwargs):
+    """Keras's `normal`, `uniform`, ... (`shape` and `seed` arguments) through `_batch_draw`."""
+    arguments = inspect.signature(original).bind(*args, **kwargs).arguments
+
+    def draw(shape, seed):
+        return original(**{**arguments, "shape": shape, "seed": seed})
+
+    return _batch_draw(draw, arguments["shape"], arguments.get("seed"))
+
+
+def _dropout(original, inputs, rate, noise_shape=None, seed=None):
+    """Keras's dropout with its mask drawn by `_batch_draw`."""
+    if isinstance(rate, (int, float)) and rate in (0.0, 1.0):
+        return original(inputs, rate, noise_shape, seed)
+    concrete = torch_random._get_concrete_noise_shape(inputs, noise_shape)
+
+    def draw(shape, seed):
+        # With a noise shape, Keras draws from the seed; without, from torch's generator.
+        ones = torch.ones(shape, dtype=inputs.dtype, device=inputs.device)
+        return original(ones, rate, None if noise_shape is None else shape, seed)
+
+    mask = _batch_draw(draw, concrete, seed)
+    return inputs * mask
+
+
+def _engine_active():
+    return True if getattr(_installed, "engine", None) is not None else None
+
+
+def _global_result(original, self):
+    """A metric's result across every process: its state is all-reduced first."""
+    if keras.src.backend.in_stateless_scope() or not self.variables:
+        return original(self)
+    summed = [i for i, v in enumerate(self.variables)
+              if getattr(v, "aggregation", None) in ("sum", "mean")]
+    if not summed:
+        return original(self)
+    values = [v.value.detach() for v in self.variables]
+    reduced = _flat_all_reduce([values[i].clone() for i in summed], "all-reduce of the metrics")
+    world = dist.get_world_size()
+    for i, value in zip(summed, reduced):
+        values[i] = value / world if self.variables[i].aggregation == "mean" else value
+    with keras.src.backend.StatelessScope(state_mapping=list(zip(self.variables, values))):
+        return original(self)
+
+
+def _metric_classes():
+    """Every Metric class defined so far that has its own `result` (the user's too)."""
+    found, stack = [], [metric_module.Metric]
+    while stack:
+        cls = stack.pop()
+        if "result" in vars(cls):
+            found.append(cls)
+        stack.extend(cls.__subclasses__())
+    return list(dict.fromkeys(found))
+
+
+def _rules_table():
+    return [
+        (base_optimizer.BaseOptimizer, "apply", _apply, _weight),
+        (loss_module, "reduce_values", _reduce_values, _weight),
+        (loss_module, "apply_mask", _apply_mask, _weight),
+        (reduction_metrics.Mean, "update_state", _mean_update, _weight),
+        (batch_normalization.BatchNormalization, "_moments", _moments, _weight),
+        *((torch_random, name, _random, _weight)
+          for name in ("normal", "uniform", "truncated_normal", "randint")),
+        (torch_random, "dropout", _dropout, _weight),
+        *((cls, "result", _global_result, _engine_active) for cls in _metric_classes()),
+    ]
+
+
+_installed = threading.local()
+
+
+@contextlib.contextmanager
+def scope(distribution):
+    """Installs the rules for the duration (nested scopes install them once).
+
+    With one process there is nothing to do. The rules act only inside a
+    step run by `run_step` (metrics: inside the call) and defer to Keras's
+    own code everywhere else.
+    """
+    if not _active(distribution) or getattr(_installed, "engine", None) is not None:
+        yield
+        return
+    saved = []
+    _installed.engine = distribution
+    try:
+        for owner, name, rule, guard in _rules_table():
+            original, decorate = _patched(owner, name, guard)
+            saved.append((owner, name, name in vars(owner), original))
+            setattr(owner, name, decorate(rule))
+        yield
+    finally:
+        for owner, name, own, original in reversed(saved):
+            if own:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)
+        _installed.engine = None
+
+
+# -- process-wide, once joined --------------------------------------------
+
+
+def _rank_zero_writes(function):
+    """Keras's save function, run by rank 0 alone (one file, not one per process, written
+    atomically), then a barrier: when it returns, every process can read the file.
+
+    Every process must call it, as an unchanged Keras script does.
+    """
+
+    @functools.wraps(function)
+    def wrapper(model, filepath, *args, **kwargs):
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return function(model, filepath, *args, **kwargs)
+        result = None
+        if dist.get_rank() == 0:
+            path = os.fspath(filepath)
+            suffix = next((s for s in (".weights.h5", ".keras", ".h5") if path.endswith(s)), "")
+            with atomic_path(path, suffix) as tmp:
+                result = function(model, tmp, *args, **kwargs)
+        _collective("barrier after a save (every process must call save; rank 0 writes)",
+                    dist.barrier)
+        return result
+
+    return wrapper
+
+
+def _agree_to_stop(requested):
+    """Whether any process was asked to stop (Ctrl-C): all stop at the same step."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return requested
+    flag = torch.tensor([1 if requested else 0], dtype=torch.int32,
+                        device="cuda" if torch.cuda.is_available() else "cpu")
+    _collective("check for a stop request", dist.all_reduce, flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def _install_process_rules():
+    for name in ("save_model", "save_weights"):
+        setattr(saving_api, name, _rank_zero_writes(getattr(saving_api, name)))
+    interrupt.set_agreement(_agree_to_stop)
+
