@@ -16,6 +16,7 @@ import traceback
 import pytest
 
 GRACE_SECONDS = 5
+SKIPPED = 3  # a child's exit status when the test skipped itself
 TIMEOUT_SECONDS = 600
 
 
@@ -37,6 +38,8 @@ def _child(rank, world, port, function, writer):
     status, report = 0, b""
     try:
         function()
+    except pytest.skip.Exception as skip:
+        status, report = SKIPPED, str(skip).encode()
     except BaseException:  # noqa: BLE001 (everything is reported to the parent)
         status, report = 1, traceback.format_exc().encode()
     try:
@@ -57,6 +60,7 @@ def run(world, function):
             _child(rank, world, port, function, writer)
         os.close(writer)
         children.append((rank, pid, reader))
+    skipped = None
     failures, pending = [], {pid: (rank, reader) for rank, pid, reader in children}
     deadline = time.monotonic() + TIMEOUT_SECONDS
     while pending:
@@ -69,7 +73,9 @@ def run(world, function):
             while chunk := os.read(reader, 65536):
                 chunks.append(chunk)
             os.close(reader)
-            if status:
+            if os.WIFEXITED(status) and os.WEXITSTATUS(status) == SKIPPED:
+                skipped = b"".join(chunks).decode(errors="replace")
+            elif status:
                 failures.append((rank, b"".join(chunks).decode(errors="replace")
                                  or f"exit status {status}"))
         if failures and pending:
@@ -84,3 +90,5 @@ def run(world, function):
     if failures:
         rank, report = failures[0]
         pytest.fail(f"rank {rank} of {world} failed:\n{report}", pytrace=False)
+    if skipped is not None:
+        pytest.skip(skipped)

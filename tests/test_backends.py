@@ -2,7 +2,6 @@
 
 import importlib
 import os
-import sys
 import warnings
 
 import jax
@@ -11,18 +10,6 @@ import pytest
 
 from keras_multigpu import backends
 from keras_multigpu.devices import Device
-
-UNSUPPORTED = ("torch",)
-
-
-def _fresh_import(monkeypatch, name):
-    """Imports keras_multigpu.backends.<name> anew; returns it and the new modules."""
-    full = f"{backends.__name__}.{name}"
-    monkeypatch.delitem(sys.modules, full, raising=False)
-    monkeypatch.delattr(backends, name, raising=False)
-    before = set(sys.modules)
-    module = importlib.import_module(full)
-    return module, set(sys.modules) - before
 
 
 def test_backend_names():
@@ -36,52 +23,6 @@ def test_every_backend_defines_the_api(name):
     module = importlib.import_module(f"{backends.__name__}.{name}")
     missing = [api for api in backends.API if not callable(getattr(module, api, None))]
     assert missing == []
-
-
-@pytest.mark.parametrize("name", UNSUPPORTED)
-def test_importing_an_unsupported_backend_imports_no_framework(monkeypatch, name):
-    module, new = _fresh_import(monkeypatch, name)
-    assert module.__name__ == f"keras_multigpu.backends.{name}"
-    frameworks = {"tensorflow", "torch"}
-    leaked = sorted(m for m in new if m.split(".")[0] in frameworks)
-    assert leaked == []
-    for framework in frameworks:
-        assert framework not in new
-
-
-@pytest.mark.parametrize("name", UNSUPPORTED)
-@pytest.mark.parametrize(
-    "api, args",
-    [
-        ("list_devices", ()),
-        ("make_distribution", ([],)),
-        ("replicate", ([], None)),
-        ("process_index", ()),
-        ("process_count", ()),
-    ],
-)
-def test_unsupported_backend_says_so(name, api, args):
-    module = importlib.import_module(f"{backends.__name__}.{name}")
-    with pytest.raises(NotImplementedError) as info:
-        getattr(module, api)(*args)
-    message = str(info.value)
-    assert f"does not support the {name!r} backend yet" in message
-    assert "KERAS_BACKEND=jax" in message
-    assert api in message
-
-
-@pytest.mark.parametrize("name", UNSUPPORTED)
-def test_unsupported_configure_cpu_devices_is_quiet(name):
-    module = importlib.import_module(f"{backends.__name__}.{name}")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert module.configure_cpu_devices(2) is False
-
-
-@pytest.mark.parametrize("name", UNSUPPORTED)
-def test_unsupported_functions_are_named(name):
-    module = importlib.import_module(f"{backends.__name__}.{name}")
-    assert [getattr(module, api).__name__ for api in backends.API] == list(backends.API)
 
 
 def test_current_is_the_jax_module():

@@ -22,9 +22,12 @@ def test_setup_names():
             bench.parse(bad)
     names = [s.name for s in bench.default_setups(3)]
     assert names == ["plain-1", "ours-1", "ours-2", "ours-3", "plain_tf-1", "ours_tf-1",
-                     "ours_tf-2", "ours_tf-3", "dataparallel-2", "mirrored-2", "independent-2",
-                     "independent_tf-2", "dataparallel-3", "mirrored-3", "independent-3",
-                     "independent_tf-3"]
+                     "ours_tf-2", "ours_tf-3", "plain_torch-1", "ours_torch-1", "ours_torch-2",
+                     "ours_torch-3", "dataparallel-2", "mirrored-2", "independent-2",
+                     "independent_tf-2", "ddp_torch-2", "independent_torch-2", "dataparallel-3",
+                     "mirrored-3", "independent-3", "independent_tf-3", "ddp_torch-3",
+                     "independent_torch-3"]
+    assert bench.parse("ddp_torch-2").backend == "torch"
 
 
 def test_worker_environment_sets_devices_and_backend():
@@ -62,6 +65,37 @@ def test_tiny_tensorflow_run(tmp_path):
     assert results["raw"]["ours_tf-2"][0]["global_batch"] == 64
     assert {"ours_tf-1 / plain_tf-1", "ours_tf-2 / ours_tf-1", "ours_tf-2 / mirrored-2",
             "ours_tf-2 / independent_tf-2"} <= set(results["ratios"])
+
+
+def test_torch_setups_run_one_process_per_device():
+    ours = bench.parse("ours_torch-3")
+    assert ours.processes == 3 and ours.worker == ours
+    env = ours.environment({"KERAS_MULTIGPU_CPU_DEVICES": "8"}, virtual=True, process=2,
+                           port=1234)
+    assert env["KERAS_BACKEND"] == "torch" and "KERAS_MULTIGPU_CPU_DEVICES" not in env
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["MASTER_PORT"]) == (
+        "2", "3", "2", "1234")
+    ceiling = bench.parse("independent_torch-2")
+    assert ceiling.worker == bench.Setup("plain_torch", 1) and "RANK" not in (
+        ceiling.environment({}, virtual=True, process=1))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None,
+                    reason="the PyTorch setups need torch, which is not installed")
+def test_tiny_torch_run(tmp_path):
+    code = cli.main(["bench", "--setups", "plain_torch-1,ours_torch-1,ours_torch-2,ddp_torch-2,"
+                     "independent_torch-2", "--model", "dense", "--samples", "256", "--epochs",
+                     "2", "--rounds", "1", "--batch-per-device", "32", "--fit-calls", "1",
+                     "--output", str(tmp_path)])
+    assert code == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert set(results["table"]) == {"plain_torch-1", "ours_torch-1", "ours_torch-2",
+                                     "ddp_torch-2", "independent_torch-2"}
+    raw = results["raw"]["ours_torch-2"][0]
+    assert raw["global_batch"] == 64 and len(raw["processes"]) == 2
+    assert {"ours_torch-1 / plain_torch-1", "ours_torch-2 / ours_torch-1",
+            "ours_torch-2 / ddp_torch-2", "ours_torch-2 / independent_torch-2"} <= set(
+        results["ratios"])
 
 
 def test_independent_setup_is_one_device_processes():

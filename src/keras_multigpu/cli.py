@@ -463,7 +463,7 @@ def build_parser():
                         help="seconds a collective waits for the other processes before it "
                              "fails (default: KERAS_MULTIGPU_TIMEOUT, else 300)")
     launch.add_argument("-m", "--module", action="store_true",
-                        help="run SCRIPT as a module (python -m SCRIPT)")
+                        help="run SCRIPT as a module, as python -m does (default: a file)")
     launch.add_argument("script", help="the Python script (or module, with -m)")
     launch.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     launch.set_defaults(func=cmd_launch)

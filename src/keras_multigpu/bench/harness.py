@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 
+from keras_multigpu import launch
 from keras_multigpu._io import write_json
 from keras_multigpu.bench import scaling
 from keras_multigpu.bench import setups as setups_lib
@@ -60,9 +61,10 @@ def run_worker(setup, spec, virtual, timeout):
         logs = [(stack.enter_context(tempfile.TemporaryFile("w+")),
                  stack.enter_context(tempfile.TemporaryFile("w+")))
                 for _ in range(setup.processes)]
+        port = launch.free_port()  # where ranked setups' processes meet
         workers = [subprocess.Popen(
             [sys.executable, "-m", "keras_multigpu.bench.worker", payload],
-            env=setup.environment(os.environ, virtual, process), stdout=out, stderr=err,
+            env=setup.environment(os.environ, virtual, process, port), stdout=out, stderr=err,
             text=True) for process, (out, err) in enumerate(logs)]
         try:
             for worker in workers:
@@ -85,7 +87,12 @@ def run_worker(setup, spec, virtual, timeout):
 
 
 def combine(setup, results):
-    """One result for processes that ran at once: throughputs add, times are the slowest."""
+    """One result for processes that ran at once: throughputs add, times are the slowest.
+
+    The processes of a ranked setup train one model together: rank 0's figures are its.
+    """
+    if setup.engine in setups_lib.RANKED:
+        return {**results[0], "processes": results}
     slowest = max(results, key=lambda r: r["ms_per_step"])
     per_call = [r.get("fit_call_images_per_second") for r in results]
     return {**slowest, "setup": setup.name, "engine": setup.engine, "devices": setup.devices,
@@ -129,6 +136,7 @@ def _ratios(table, figure):
 
     ratio("ours-1", "plain-1")
     ratio("ours_tf-1", "plain_tf-1")
+    ratio("ours_torch-1", "plain_torch-1")
     for name, row in table.items():
         if row["engine"] == "ours" and row["devices"] > 1:
             ratio(name, "ours-1")
@@ -139,6 +147,10 @@ def _ratios(table, figure):
             ratio(name, "ours_tf-1")
             ratio(name, f"mirrored-{row['devices']}")
             ratio(name, f"independent_tf-{row['devices']}")
+        if row["engine"] == "ours_torch" and row["devices"] > 1:
+            ratio(name, "ours_torch-1")
+            ratio(name, f"ddp_torch-{row['devices']}")
+            ratio(name, f"independent_torch-{row['devices']}")
     return ratios
 
 

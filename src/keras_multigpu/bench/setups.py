@@ -6,6 +6,7 @@ and returns a fitted Keras model: adding a configuration is a few lines here.
 """
 
 import dataclasses
+import os
 
 from keras_multigpu import _xla
 from keras_multigpu.devices import CPU_DEVICES_ENV
@@ -24,7 +25,11 @@ class Setup:
             device, with no communication between them. Their summed
             throughput is the ceiling for any data-parallel engine on these
             devices. "ours_tf", "plain_tf" and "independent_tf" are the same
-            on the TensorFlow backend (as "mirrored" is).
+            on the TensorFlow backend (as "mirrored" is); "ours_torch",
+            "plain_torch" and "independent_torch" on PyTorch, beside
+            "ddp_torch": a hand-written DistributedDataParallel loop over the
+            Keras model (the keras-io guide's approach). ours_torch and
+            ddp_torch run one process per device (`RANKED`).
         devices: replicas; the global batch is devices x batch per device.
     """
 
@@ -37,12 +42,16 @@ class Setup:
 
     @property
     def backend(self):
+        if self.engine in TORCH_ENGINES:
+            return "torch"
         return "tensorflow" if self.engine in TENSORFLOW_ENGINES else "jax"
 
     @property
     def processes(self):
         """How many worker processes the setup runs at once."""
-        return self.devices if self.engine.startswith("independent") else 1
+        if self.engine.startswith("independent") or self.engine in RANKED:
+            return self.devices
+        return 1
 
     @property
     def worker(self):
@@ -51,9 +60,20 @@ class Setup:
             return Setup(self.engine.replace("independent", "plain"), 1)
         return self
 
-    def environment(self, base, virtual, process=0):
-        """The worker's environment; `virtual` says devices are virtual CPUs."""
+    def environment(self, base, virtual, process=0, port=None):
+        """The worker's environment; `virtual` says devices are virtual CPUs.
+
+        Ranked setups get torchrun's variables (`port`: where their processes meet).
+        """
         env = {k: v for k, v in base.items() if not k.startswith("KERAS_MULTIGPU_")}
+        if self.backend == "torch" and virtual and self.processes > 1:
+            # The processes share the cores alike, ours, DDP's and the independent ones.
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.processes))
+        if self.engine in RANKED:
+            env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                        "RANK": str(process), "WORLD_SIZE": str(self.devices),
+                        "LOCAL_RANK": str(process), "LOCAL_WORLD_SIZE": str(self.devices)})
+            return {**env, "KERAS_BACKEND": "torch"}
         env["KERAS_BACKEND"] = self.backend
         flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(XLA_DEVICE_FLAG)]
         env["XLA_FLAGS"] = " ".join(flags)
@@ -127,6 +147,57 @@ def _train_mirrored(setup, build, fit):
     return fit(model)
 
 
+class _DDPTrainer:
+    """The keras-io guide's loop: the Keras model in DistributedDataParallel, a torch
+    optimizer, a DistributedSampler; `fit` as the worker calls it, timing each epoch."""
+
+    def __init__(self, model):
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        self.model = model
+        self.device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}"
+                                   if torch.cuda.is_available() else "cpu")
+        self.ddp = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[self.device] if self.device.type == "cuda" else None)
+        self.optimizer = torch.optim.SGD(self.ddp.parameters(), lr=0.01, momentum=0.9)
+
+    def count_params(self):
+        return self.model.count_params()
+
+    def fit(self, x, y, batch_size, epochs, **kwargs):
+        import time
+
+        import keras
+        import torch
+        import torch.distributed as dist
+
+        dataset = torch.utils.data.TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
+        sampler = torch.utils.data.distributed.DistributedSampler(dataset, shuffle=False)
+        loader = torch.utils.data.DataLoader(
+            dataset, batch_size=batch_size // dist.get_world_size(), sampler=sampler)
+        seconds = []
+        for _ in range(epochs):
+            start = time.perf_counter()
+            for inputs, targets in loader:
+                inputs, targets = inputs.to(self.device), targets.to(self.device)
+                predictions = self.ddp(inputs, training=True)
+                loss = keras.ops.mean(keras.losses.categorical_crossentropy(targets, predictions))
+                self.optimizer.zero_grad()
+                loss.backward()
+                self.optimizer.step()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            seconds.append(time.perf_counter() - start)
+        return type("History", (), {"history": {"seconds": seconds}})()
+
+
+def _train_ddp(setup, build, fit):
+    return fit(_DDPTrainer(build()))
+
+
 TRAIN = {
     "plain": _train_plain,
     "independent": _train_plain,  # each of its processes is plain-1
@@ -136,29 +207,38 @@ TRAIN = {
     "plain_tf": _train_plain,
     "independent_tf": _train_plain,  # each of its processes is plain_tf-1
     "ours_tf": _train_ours,
+    "plain_torch": _train_plain,
+    "independent_torch": _train_plain,  # each of its processes is plain_torch-1
+    "ours_torch": _train_ours,
+    "ddp_torch": _train_ddp,
 }
 TENSORFLOW_ENGINES = ("mirrored", "plain_tf", "independent_tf", "ours_tf")
+TORCH_ENGINES = ("plain_torch", "independent_torch", "ours_torch", "ddp_torch")
+RANKED = ("ours_torch", "ddp_torch")  # one process per device, joined by torch.distributed
 
 
 def available(setup):
     """None when the setup can run here, else the reason it cannot."""
-    if setup.backend == "tensorflow":
-        import importlib.util
+    import importlib.util
 
-        if importlib.util.find_spec("tensorflow") is None:
-            return "tensorflow is not installed (pip install tensorflow-cpu)"
+    if setup.backend == "tensorflow" and importlib.util.find_spec("tensorflow") is None:
+        return "tensorflow is not installed (pip install tensorflow-cpu)"
+    if setup.backend == "torch" and importlib.util.find_spec("torch") is None:
+        return "torch is not installed (pip install torch)"
     return None
 
 
 def default_setups(max_devices):
     """Ours at 1..N, plain Keras, the peers and the ceiling at the counts above 1, on
-    JAX and on TensorFlow."""
+    JAX, TensorFlow and PyTorch."""
     counts = sorted({1, *range(2, max_devices + 1)})
     setups = [Setup("plain", 1)] + [Setup("ours", n) for n in counts]
     setups += [Setup("plain_tf", 1)] + [Setup("ours_tf", n) for n in counts]
+    setups += [Setup("plain_torch", 1)] + [Setup("ours_torch", n) for n in counts]
     for n in counts[1:]:
         setups += [Setup("dataparallel", n), Setup("mirrored", n), Setup("independent", n),
-                   Setup("independent_tf", n)]
+                   Setup("independent_tf", n), Setup("ddp_torch", n),
+                   Setup("independent_torch", n)]
     return setups
 
 
