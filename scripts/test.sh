@@ -2,17 +2,29 @@
 # The test command: sets itself up, then runs the suite on virtual CPU devices
 # (no GPU needed), one pytest process per engine, since KERAS_BACKEND is fixed
 # per process: the whole suite on JAX (the launcher's tests start their own
-# torch processes), then the engine contract and the real Keras programs
-# (tests/test_engines.py, tests/test_programs.py) on TensorFlow and on PyTorch
-# (whose multi-device tests fork one gloo process per device). pytest exits
-# non-zero when a test fails and 5 when no test ran; either fails this script.
+# torch processes), and meanwhile the engine contract and the real Keras
+# programs (tests/test_engines.py, tests/test_programs.py) on TensorFlow, then
+# on PyTorch (whose multi-device tests fork one gloo process per device). The
+# two streams share the cores; each one's output is printed when it ends.
+# pytest exits non-zero when a test fails and 5 when no test ran; either fails
+# this script.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh jax,test,peers
 # torch's CPU build: a bare `pip install torch` would pull gigabytes of CUDA.
 .venv/bin/python -m pip install -q torch==2.13.0
-KERAS_BACKEND=jax .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+logs=$(mktemp -d)
+trap 'rm -rf "$logs"' EXIT
+KERAS_BACKEND=jax .venv/bin/python -m pytest -q -p no:cacheprovider "$@" > "$logs/jax" 2>&1 &
+jax=$!
+status=0
 for backend in tensorflow torch; do
   KERAS_BACKEND=$backend .venv/bin/python -m pytest -q -p no:cacheprovider \
-      tests/test_engines.py tests/test_programs.py
+      tests/test_engines.py tests/test_programs.py > "$logs/$backend" 2>&1 || status=1
+  echo "== KERAS_BACKEND=$backend: tests/test_engines.py tests/test_programs.py"
+  cat "$logs/$backend"
 done
+wait "$jax" || status=1
+echo "== KERAS_BACKEND=jax: the whole suite"
+cat "$logs/jax"
+exit "$status"

@@ -258,6 +258,12 @@ def test_ctrl_c_in_the_first_epoch_leaves_no_folder(tmp_path, capsys, monkeypatc
     assert os.listdir(tmp_path) == []
 
 
+def _sigint_default():
+    """Ctrl-C as in a terminal: a test run started in the background (`cmd &`) ignores SIGINT,
+    and its children would inherit that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @needs_data
 def test_a_real_ctrl_c_on_a_piped_run(tmp_path):
     """The installed command, stdout piped: one line per epoch, and a SIGINT ends it with
@@ -269,6 +275,7 @@ def test_a_real_ctrl_c_on_a_piped_run(tmp_path):
         [sys.executable, "-m", "keras_multigpu.cli", "train", "--gpus", "2", "--output",
          str(out), "--data-dir", cifar_dir(), "--epochs", "1000", *TINY],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        preexec_fn=_sigint_default,
     )
     deadline = time.monotonic() + 240
     while not (out / "history.json").exists() or len(_history(out)["epochs"]) < 2:

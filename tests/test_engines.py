@@ -70,6 +70,21 @@ def test_bn_model_equals_one_device(gpus, rows, batch_size):
 
 
 @pytest.mark.parametrize("gpus", [2, 3])
+@pytest.mark.parametrize("reduction", ["mean_with_sample_weight", "sum"])
+def test_weighted_losses_with_a_device_left_without_rows(gpus, reduction):
+    """10 rows in batches of 3: the last batch (1 row) leaves devices with none, and the
+    loss's own divisor (the sum of the sample weights) is the global batch's."""
+    weights = np.random.RandomState(1).uniform(0.5, 2.0, 10).astype("float32")
+
+    def compile(target):
+        target.compile(optimizer=keras.optimizers.SGD(0.1), loss=keras.losses.
+                       SparseCategoricalCrossentropy(reduction=reduction))
+
+    _assert_same(_train(None, 10, 3, compile=compile, sample_weight=weights),
+                 _train(gpus, 10, 3, compile=compile, sample_weight=weights))
+
+
+@pytest.mark.parametrize("gpus", [2, 3])
 @pytest.mark.parametrize("shuffle", [True, "batch"])
 def test_shuffled_as_this_backends_keras_shuffles(gpus, shuffle):
     """Keras shuffles arrays with NumPy on JAX and with tf.random in tf.data on TensorFlow:

@@ -55,11 +55,17 @@ TRAIN = textwrap.dedent(
 )
 
 
+def _sigint_default():
+    """Ctrl-C as in a terminal: a test run started in the background (`cmd &`) ignores SIGINT,
+    and its children would inherit that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
     return subprocess.Popen(
         [sys.executable, "-c", TRAIN, str(tmp_path)], stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, env=env,
+        stderr=subprocess.PIPE, text=True, env=env, preexec_fn=_sigint_default,
     )
 
 

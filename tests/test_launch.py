@@ -279,6 +279,9 @@ def test_ctrl_c_reaches_every_rank(tmp_path):
             print("rank", os.environ["RANK"], "got Ctrl-C", flush=True)
             sys.exit(130)
     """)
+    # A test run started in the background (`cmd &`) ignores SIGINT, and the launcher
+    # inherits that: it must not depend on it (it installs its own handler, and resets its
+    # processes' to the default).
     launcher = subprocess.Popen([*LAUNCH, "-n", "2", script], cwd=tmp_path, env=_env(),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     ready = 0

@@ -53,7 +53,10 @@ def check_port(address, port):
             ) from error
 
 
-def _die_with_parent():  # runs in the child, before the script
+def _prepare_child():  # runs in the child, before the script
+    # The launcher forwards Ctrl-C itself: a process must not inherit SIGINT ignored (as a
+    # launcher started in the background, `cmd &`, has it).
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
@@ -144,7 +147,7 @@ def launch(nproc, command, *, address="127.0.0.1", port=None, quiet_ranks=False,
         process = subprocess.Popen(
             [sys.executable, *command], env=child_env(r, nproc, address, port, timeout, base_env),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-            start_new_session=True, preexec_fn=_die_with_parent,
+            start_new_session=True, preexec_fn=_prepare_child,
         )
         ranks.append(_Rank(r, process, show=not quiet_ranks or r == 0))
     for rank in ranks:

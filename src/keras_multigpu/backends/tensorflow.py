@@ -49,10 +49,10 @@ from keras.src.backend.tensorflow import optimizer as tf_optimizer
 from keras.src.backend.tensorflow import random as tf_random
 from keras.src.layers.normalization import batch_normalization
 from keras.src.losses import loss as loss_module
-from keras.src.metrics import metric as metric_module
 from keras.src.metrics import reduction_metrics
 from keras.src.random import seed_generator
 
+from keras_multigpu.backends import _rules as shared
 from keras_multigpu.devices import CPU_DEVICES_ENV, Device, cpu_device_count
 
 # Inside a replica's step: `counts`, (k, n, start) as int32 tensors; None elsewhere.
@@ -448,22 +448,6 @@ def _all_reduce(values):
     return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, values)
 
 
-def _patched(owner, name):
-    original = getattr(owner, name)
-
-    def decorate(function):
-        @functools.wraps(original)
-        def wrapper(*args, **kwargs):
-            if _weight() is None:
-                return original(*args, **kwargs)
-            return function(original, *args, **kwargs)
-
-        wrapper._keras_multigpu_original = original
-        return wrapper
-
-    return original, decorate
-
-
 def _weighed(gradient):
     """`gradient * k / n` (in its dtype), 0 where the replica had no rows (its mean may be
     NaN there)."""
@@ -579,20 +563,8 @@ def _reduce_values(original, values, sample_weight=None, reduction="sum_over_bat
     return keras.ops.divide_no_nan(total, size)
 
 
-def _apply_mask(original, sample_weight, mask, dtype, reduction):
-    if mask is None or reduction not in ("mean", "sum_over_batch_size"):
-        return original(sample_weight, mask, dtype, reduction)
-    # One device divides by its valid entries; here, by every replica's.
-    valid = _all_reduce(keras.ops.sum(keras.ops.cast(mask, dtype)))
-    float_mask = keras.ops.where(keras.ops.cast(mask, "bool"),
-                                 keras.ops.divide_no_nan(keras.ops.cast(1.0, dtype), valid), 0)
-    _replica.masked = True
-    if sample_weight is None:
-        return float_mask
-    sample_weight = keras.ops.cast(sample_weight, dtype)
-    float_mask, sample_weight = loss_module.squeeze_or_expand_to_same_rank(
-        float_mask, sample_weight)
-    return sample_weight * float_mask
+def _apply_mask(*args):
+    return shared.apply_mask(*args, all_reduce=_all_reduce, replica=_replica)
 
 
 def _mean_update(original, self, values, sample_weight=None):
@@ -739,17 +711,6 @@ def _global_result(original, self):
         return original(self)
 
 
-def _metric_classes():
-    """Every Metric class defined so far that has its own `result` (the user's too)."""
-    found, stack = [], [metric_module.Metric]
-    while stack:
-        cls = stack.pop()
-        if "result" in vars(cls):
-            found.append(cls)
-        stack.extend(cls.__subclasses__())
-    return list(dict.fromkeys(found))
-
-
 def _rules_table():
     return [
         (tf_optimizer.TFOptimizer, "apply", _apply),
@@ -764,7 +725,7 @@ def _rules_table():
         *((tf_random, name, _random) for name in ("normal", "uniform", "truncated_normal",
                                                      "randint")),
         (tf_random, "dropout", _dropout),
-        *((cls, "result", _global_result) for cls in _metric_classes()),
+        *((cls, "result", _global_result) for cls in shared.metric_classes()),
     ]
 
 
@@ -780,18 +741,9 @@ def _rules():
     """
     depth = getattr(_installed, "depth", 0)
     _installed.depth = depth + 1
-    saved = []
     try:
-        if depth == 0:
-            for owner, name, rule in _rules_table():
-                original, decorate = _patched(owner, name)
-                saved.append((owner, name, name in vars(owner), original))
-                setattr(owner, name, decorate(rule))
-        yield
+        with shared.installed([(*row, _weight) for row in _rules_table()] if depth == 0
+                              else []):
+            yield
     finally:
-        for owner, name, own, original in reversed(saved):
-            if own:
-                setattr(owner, name, original)
-            else:
-                delattr(owner, name)
         _installed.depth = depth

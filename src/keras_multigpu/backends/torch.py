@@ -31,6 +31,7 @@ and every save and every call ends at a barrier, so every rank can then read
 them.
 """
 
+import atexit
 import contextlib
 import datetime
 import functools
@@ -51,7 +52,6 @@ from keras import tree
 from keras.src.backend.torch import random as torch_random
 from keras.src.layers.normalization import batch_normalization
 from keras.src.losses import loss as loss_module
-from keras.src.metrics import metric as metric_module
 from keras.src.metrics import reduction_metrics
 from keras.src.optimizers import base_optimizer
 from keras.src.random import seed_generator
@@ -59,6 +59,7 @@ from keras.src.saving import saving_api
 
 from keras_multigpu import interrupt
 from keras_multigpu._io import atomic_path
+from keras_multigpu.backends import _rules as shared
 from keras_multigpu.backends._marker import tag, untag  # noqa: F401 (the seam's names)
 from keras_multigpu.devices import Device, cpu_device_count
 
@@ -184,12 +185,30 @@ def _join():
             "MASTER_ADDR and MASTER_PORT."
         ) from error
     # Every rank draws what rank 0 draws: shuffling, Keras's default seeds, dropout.
-    states = [random.getstate(), np.random.get_state(), torch.get_rng_state()]
+    states = [random.getstate(), np.random.get_state(), torch.get_rng_state(),
+              torch.cuda.get_rng_state() if torch.cuda.is_available() else None]
     dist.broadcast_object_list(states, src=0)
     random.setstate(states[0])
     np.random.set_state(states[1])
     torch.set_rng_state(states[2])
+    if states[3] is not None:
+        torch.cuda.set_rng_state(states[3])
     _install_process_rules()
+    atexit.register(_leave)
+
+
+def _leave():
+    """Leaves the process group at exit (NCCL warns when it is left to the destructor)."""
+    with contextlib.suppress(Exception):
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _device():
+    """Where tensors for a collective must be: the current GPU under NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def make_distribution(devices):
@@ -327,9 +346,9 @@ def array_order(num_samples, batch_size, shuffle):
     def new_pass():
         order = [np.asarray(b, "int64") for b in batches()]
         if dist.is_initialized() and dist.get_world_size() > 1:
-            flat = torch.from_numpy(np.concatenate(order))
+            flat = torch.from_numpy(np.concatenate(order)).to(_device())
             _collective("broadcast of the shuffled order", dist.broadcast, flat, src=0)
-            order = np.split(flat.numpy(), np.cumsum([len(b) for b in order])[:-1])
+            order = np.split(flat.cpu().numpy(), np.cumsum([len(b) for b in order])[:-1])
         yield from order
 
     return new_pass
@@ -419,22 +438,6 @@ def _weight():
     return k / n if n else 0.0
 
 
-def _patched(owner, name, guard=_weight):
-    original = getattr(owner, name)
-
-    def decorate(function):
-        @functools.wraps(original)
-        def wrapper(*args, **kwargs):
-            if guard() is None:
-                return original(*args, **kwargs)
-            return function(original, *args, **kwargs)
-
-        wrapper._keras_multigpu_original = original
-        return wrapper
-
-    return original, decorate
-
-
 def _apply(original, self, grads, trainable_variables=None):
     """Weighted all-reduce of the gradients, then the optimizer's own apply."""
     weight = _weight()
@@ -456,7 +459,7 @@ def _apply(original, self, grads, trainable_variables=None):
 
 def _all_reduce(value):
     """Sum across processes of a value no gradient flows through."""
-    value = torch.as_tensor(value).detach().clone()
+    value = torch.as_tensor(value).detach().clone().to(_device())
     _collective("all-reduce of a loss's divisor", dist.all_reduce, value)
     return value
 
@@ -469,39 +472,30 @@ def _reduce_values(original, values, sample_weight=None, reduction="sum_over_bat
     if reduction is None or reduction == "none" or tuple(values.shape) == ():
         return original(values, sample_weight, reduction)
     k, n, _ = _replica.counts
+    total = keras.ops.sum(values)
+    masked, _replica.masked = getattr(_replica, "masked", False), False
+    divisor = None
+    if reduction == "mean_with_sample_weight" and sample_weight is not None:
+        # Every process joins this all-reduce, with rows or without.
+        divisor = _all_reduce(keras.ops.cast(keras.ops.sum(sample_weight), total.dtype))
     if k == 0:
         # A process with no rows this step (a batch smaller than the process count): a
         # zero that still depends on the model, so its backward pass runs the same
         # collectives as the others'.
-        return keras.ops.sum(values)
-    total = keras.ops.sum(values)
+        return total
     if reduction == "sum":
         return total * _rescale(n, k, total.dtype)
-    if reduction == "mean_with_sample_weight" and sample_weight is not None:
-        divisor = _all_reduce(keras.ops.cast(keras.ops.sum(sample_weight), total.dtype))
+    if divisor is not None:
         return keras.ops.divide_no_nan(total, divisor) * _rescale(n, k, total.dtype)
-    if getattr(_replica, "masked", False):
+    if masked:
         # `_apply_mask` has already divided by the global count of valid entries.
-        _replica.masked = False
         return total * _rescale(n, k, total.dtype)
     size = keras.ops.cast(keras.ops.size(values), total.dtype)
     return keras.ops.divide_no_nan(total, size)
 
 
-def _apply_mask(original, sample_weight, mask, dtype, reduction):
-    if mask is None or reduction not in ("mean", "sum_over_batch_size"):
-        return original(sample_weight, mask, dtype, reduction)
-    # One device divides by its valid entries; here, by every process's.
-    valid = _all_reduce(keras.ops.sum(keras.ops.cast(mask, dtype)))
-    float_mask = keras.ops.where(keras.ops.cast(mask, "bool"),
-                                 keras.ops.divide_no_nan(keras.ops.cast(1.0, dtype), valid), 0)
-    _replica.masked = True
-    if sample_weight is None:
-        return float_mask
-    sample_weight = keras.ops.cast(sample_weight, dtype)
-    float_mask, sample_weight = loss_module.squeeze_or_expand_to_same_rank(
-        float_mask, sample_weight)
-    return sample_weight * float_mask
+def _apply_mask(*args):
+    return shared.apply_mask(*args, all_reduce=_all_reduce, replica=_replica)
 
 
 def _mean_update(original, self, values, sample_weight=None):
@@ -647,17 +641,6 @@ def _global_result(original, self):
         return original(self)
 
 
-def _metric_classes():
-    """Every Metric class defined so far that has its own `result` (the user's too)."""
-    found, stack = [], [metric_module.Metric]
-    while stack:
-        cls = stack.pop()
-        if "result" in vars(cls):
-            found.append(cls)
-        stack.extend(cls.__subclasses__())
-    return list(dict.fromkeys(found))
-
-
 def _rules_table():
     return [
         (base_optimizer.BaseOptimizer, "apply", _apply, _weight),
@@ -668,7 +651,7 @@ def _rules_table():
         *((torch_random, name, _random, _weight)
           for name in ("normal", "uniform", "truncated_normal", "randint")),
         (torch_random, "dropout", _dropout, _weight),
-        *((cls, "result", _global_result, _engine_active) for cls in _metric_classes()),
+        *((cls, "result", _global_result, _engine_active) for cls in shared.metric_classes()),
     ]
 
 
@@ -686,20 +669,11 @@ def scope(distribution):
     if not _active(distribution) or getattr(_installed, "engine", None) is not None:
         yield
         return
-    saved = []
     _installed.engine = distribution
     try:
-        for owner, name, rule, guard in _rules_table():
-            original, decorate = _patched(owner, name, guard)
-            saved.append((owner, name, name in vars(owner), original))
-            setattr(owner, name, decorate(rule))
-        yield
+        with shared.installed(_rules_table()):
+            yield
     finally:
-        for owner, name, own, original in reversed(saved):
-            if own:
-                setattr(owner, name, original)
-            else:
-                delattr(owner, name)
         _installed.engine = None
 
 
@@ -734,8 +708,7 @@ def _agree_to_stop(requested):
     """Whether any process was asked to stop (Ctrl-C): all stop at the same step."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return requested
-    flag = torch.tensor([1 if requested else 0], dtype=torch.int32,
-                        device="cuda" if torch.cuda.is_available() else "cpu")
+    flag = torch.tensor([1 if requested else 0], dtype=torch.int32, device=_device())
     _collective("check for a stop request", dist.all_reduce, flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
 
