@@ -563,8 +563,8 @@ def _reduce_values(original, values, sample_weight=None, reduction="sum_over_bat
     return keras.ops.divide_no_nan(total, size)
 
 
-def _apply_mask(*args):
-    return shared.apply_mask(*args, all_reduce=_all_reduce, replica=_replica)
+def _apply_mask(*args, **kwargs):
+    return shared.apply_mask(*args, **kwargs, all_reduce=_all_reduce, replica=_replica)
 
 
 def _mean_update(original, self, values, sample_weight=None):
