@@ -296,6 +296,21 @@ def test_ctrl_c_reaches_every_rank(tmp_path):
     assert "stopped by SIGINT" in err
 
 
+def test_the_jax_engine_refuses_several_processes(tmp_path):
+    """Each process would train its own copy: a clear error, naming what to do."""
+    script = _script(tmp_path, "jax_two.py", """
+        import os
+        os.environ["KERAS_BACKEND"] = "jax"
+        import keras
+        import keras_multigpu as kmg
+        kmg.multi_gpu_model(keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]))
+    """)
+    result = _run([*LAUNCH, "-n", "2", script], tmp_path)
+    assert result.returncode == 1
+    assert "runs as 2 processes (WORLD_SIZE=2), but the JAX engine uses every device" in (
+        result.stderr)
+
+
 def test_the_jax_engine_runs_unchanged_under_launch_n_1(tmp_path):
     script = _script(tmp_path, "jax_train.py", """
         import os

@@ -139,6 +139,21 @@ def list_devices():
     return [Device(i, "cpu", "CPU" if count == 1 else "virtual CPU") for i in range(count)]
 
 
+def refuse_several_processes(engine):
+    """Refuses a run started as several processes (WORLD_SIZE > 1) by an engine that uses
+    every device from one process: each process would train its own copy of the model and
+    write the same files."""
+    world = os.environ.get("WORLD_SIZE", "1")
+    if world.isdigit() and int(world) > 1:
+        raise RuntimeError(
+            f"This program runs as {world} processes (WORLD_SIZE={world}), but the {engine} "
+            "engine uses every device from one process: each process would train its own "
+            "copy and write the same files. Start it once (python script.py, or "
+            "keras-multigpu launch -n 1), or set KERAS_BACKEND=torch, whose engine runs one "
+            "process per device."
+        )
+
+
 def select(gpus, available):
     """Chooses devices from `available` as `multi_gpu_model(gpus=...)` does.
 

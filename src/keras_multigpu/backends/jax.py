@@ -25,6 +25,7 @@ import numpy as np
 from jax._src import xla_bridge
 
 from keras_multigpu import _xla
+from keras_multigpu import devices as devices_lib
 from keras_multigpu.backends._marker import tag, untag  # noqa: F401 (the seam's names)
 from keras_multigpu.devices import Device
 
@@ -66,6 +67,7 @@ def _jax_device(device):
 
 
 def make_distribution(devices):
+    devices_lib.refuse_several_processes("JAX")
     return keras.distribution.DataParallel(devices=[_jax_device(d) for d in devices])
 
 

@@ -53,7 +53,12 @@ from keras.src.metrics import reduction_metrics
 from keras.src.random import seed_generator
 
 from keras_multigpu.backends import _rules as shared
-from keras_multigpu.devices import CPU_DEVICES_ENV, Device, cpu_device_count
+from keras_multigpu.devices import (
+    CPU_DEVICES_ENV,
+    Device,
+    cpu_device_count,
+    refuse_several_processes,
+)
 
 # Inside a replica's step: `counts`, (k, n, start) as int32 tensors; None elsewhere.
 _replica = threading.local()
@@ -124,6 +129,7 @@ class Engine:
 
 
 def make_distribution(devices):
+    refuse_several_processes("TensorFlow")
     if tf.distribute.has_strategy():
         owner = type(tf.distribute.get_strategy()).__name__
         raise RuntimeError(
