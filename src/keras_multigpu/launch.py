@@ -143,19 +143,6 @@ def launch(nproc, command, *, address="127.0.0.1", port=None, quiet_ranks=False,
 
     lock = threading.Lock()
     ranks = []
-    for r in range(nproc):
-        process = subprocess.Popen(
-            [sys.executable, *command], env=child_env(r, nproc, address, port, timeout, base_env),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-            start_new_session=True, preexec_fn=_prepare_child,
-        )
-        ranks.append(_Rank(r, process, show=not quiet_ranks or r == 0))
-    for rank in ranks:
-        for stream, sink in ((rank.process.stdout, out), (rank.process.stderr, err)):
-            reader = threading.Thread(target=_pump, args=(rank, stream, sink, lock), daemon=True)
-            reader.start()
-            rank.readers.append(reader)
-
     interrupted = []
 
     def send(sig):
@@ -171,10 +158,26 @@ def launch(nproc, command, *, address="127.0.0.1", port=None, quiet_ranks=False,
         else:
             send(signum)
 
+    # Installed before any process starts: a Ctrl-C that comes early is forwarded too.
     handlers = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             handlers[sig] = signal.signal(sig, on_signal)
+    for r in range(nproc):
+        if interrupted:  # stopped while starting: start no more
+            break
+        process = subprocess.Popen(
+            [sys.executable, *command], env=child_env(r, nproc, address, port, timeout, base_env),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+            start_new_session=True, preexec_fn=_prepare_child,
+        )
+        ranks.append(_Rank(r, process, show=not quiet_ranks or r == 0))
+    for rank in ranks:
+        for stream, sink in ((rank.process.stdout, out), (rank.process.stderr, err)):
+            reader = threading.Thread(target=_pump, args=(rank, stream, sink, lock), daemon=True)
+            reader.start()
+            rank.readers.append(reader)
+
     try:
         failed = None
         while True:
