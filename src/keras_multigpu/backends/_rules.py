@@ -8,6 +8,7 @@ that do not depend on them.
 
 import contextlib
 import functools
+import inspect
 
 import keras
 from keras.src.losses import loss as loss_module
@@ -43,6 +44,18 @@ def apply_mask(original, sample_weight, mask, dtype, reduction, *, all_reduce, r
     float_mask, sample_weight = loss_module.squeeze_or_expand_to_same_rank(
         float_mask, sample_weight)
     return sample_weight * float_mask
+
+
+def random_draw(original, *args, batch_draw, **kwargs):
+    """Keras's `normal`, `uniform`, ... (`original`, with `shape` and `seed` arguments) as a
+    rule: drawn through the engine's `batch_draw(draw, shape, seed)`, which makes a draw
+    shaped by the replica's rows for the global batch and takes the replica's rows."""
+    arguments = inspect.signature(original).bind(*args, **kwargs).arguments
+
+    def draw(shape, seed):
+        return original(**{**arguments, "shape": shape, "seed": seed})
+
+    return batch_draw(draw, arguments["shape"], arguments.get("seed"))
 
 
 def _patched(owner, name, rule, guard):

@@ -37,7 +37,6 @@ and predicts on its own as any Keras model.
 
 import contextlib
 import functools
-import inspect
 import threading
 import warnings
 
@@ -672,15 +671,8 @@ def _batch_draw(draw, shape, seed):
     return tf.cond(tf.equal(rows, k), global_rows, lambda: draw(shape, seed))
 
 
-def _random(original, *args, **kwargs):
-    """Keras's `normal`, `uniform`, ... (`shape` and `seed` arguments) through `_batch_draw`."""
-    bound = inspect.signature(original).bind(*args, **kwargs)
-    arguments = bound.arguments
-
-    def draw(shape, seed):
-        return original(**{**arguments, "shape": shape, "seed": seed})
-
-    return _batch_draw(draw, arguments["shape"], arguments.get("seed"))
+def _random(*args, **kwargs):
+    return shared.random_draw(*args, **kwargs, batch_draw=_batch_draw)
 
 
 def _dropout(original, inputs, rate, noise_shape=None, seed=None):

@@ -35,7 +35,6 @@ import atexit
 import contextlib
 import datetime
 import functools
-import inspect
 import os
 import random
 import shlex
@@ -595,14 +594,8 @@ def _batch_draw(draw, shape, seed):
     return draw([n, *shape[1:]], seed)[start:start + k]
 
 
-def _random(original, *args, **kwargs):
-    """Keras's `normal`, `uniform`, ... (`shape` and `seed` arguments) through `_batch_draw`."""
-    arguments = inspect.signature(original).bind(*args, **kwargs).arguments
-
-    def draw(shape, seed):
-        return original(**{**arguments, "shape": shape, "seed": seed})
-
-    return _batch_draw(draw, arguments["shape"], arguments.get("seed"))
+def _random(*args, **kwargs):
+    return shared.random_draw(*args, **kwargs, batch_draw=_batch_draw)
 
 
 def _dropout(original, inputs, rate, noise_shape=None, seed=None):
