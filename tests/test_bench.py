@@ -185,3 +185,161 @@ def test_cost_model_behaves():
         assert fast["efficiency"] > slow["efficiency"]
         assert fast["efficiency_overlap"] >= fast["efficiency"]
     assert scaling.allreduce_seconds(1e9, 1, 1e9, 1e-5) == 0.0
+
+
+# The several-hosts cost model: 2 hosts x 2 GPUs, 1 GB of gradients, 100 GB/s and
+# 1 us inside a host, a 10 GB/s NIC and 10 us between hosts.
+INSIDE, NETWORK = (100e9, 1e-6), (10e9, 1e-5)
+
+
+def test_allreduce_formulas_by_hand():
+    # Flat ring: 2 (N - 1) = 6 steps of 1 GB / 4 over the slowest hop, each paying the
+    # slowest latency: 6 * (25 ms + 10 us).
+    assert scaling.flat_ring_seconds(1e9, 2, 2, INSIDE, NETWORK) == pytest.approx(0.15006)
+    # Hierarchical, one NIC per GPU: reduce-scatter 1/2 GB / 100 GB/s + 1 us, the same
+    # for the all-gather; across hosts each GPU all-reduces its 500 MB over 2 hosts:
+    # 2 * 1/2 * 500 MB / 10 GB/s + 2 * 10 us.
+    assert scaling.hierarchical_seconds(1e9, 2, 2, INSIDE, NETWORK, "gpu") == pytest.approx(
+        2 * (0.005 + 1e-6) + (0.05 + 2e-5))
+    # One NIC per host: its two GPUs share the 10 GB/s, the middle phase doubles.
+    assert scaling.hierarchical_seconds(1e9, 2, 2, INSIDE, NETWORK, "node") == pytest.approx(
+        2 * (0.005 + 1e-6) + (0.1 + 2e-5))
+    with pytest.raises(ValueError, match="nic"):
+        scaling.hierarchical_seconds(1e9, 2, 2, INSIDE, NETWORK, "rack")
+    # Efficiencies of a 100 ms step: flat 0.15 s, all exposed: 0.1 / 0.25; with
+    # overlap 0.15 - 2/3 * 0.1 is exposed. Hierarchical 0.06 s hides entirely.
+    (row,) = scaling.project_hosts(0.1, 1e9, hosts=(2,), gpus_per_host=2,
+                                   clusters={"x": (INSIDE, NETWORK, "gpu")})
+    assert (row["hosts"], row["gpus"], row["nic"]) == (2, 4, "gpu")
+    assert row["efficiency_flat"] == pytest.approx(0.1 / (0.1 + 0.15006))
+    assert row["efficiency_flat_overlap"] == pytest.approx(0.1 / (0.1 + 0.15006 - 0.2 / 3))
+    assert row["efficiency_hierarchical"] == pytest.approx(0.1 / (0.1 + 0.060022))
+    assert row["efficiency_hierarchical_overlap"] == 1.0
+    assert scaling.step_for_efficiency(0.01, 0.9) == pytest.approx(0.09)
+
+
+def test_scaling_with_one_host_is_the_single_host_ring():
+    for link in scaling.LINKS.values():
+        for gpus in (1, 2, 8):
+            ring = scaling.allreduce_seconds(6.6e6, gpus, *link)
+            for network in scaling.NETWORKS.values():
+                for nic in ("gpu", "node"):
+                    assert scaling.flat_ring_seconds(6.6e6, 1, gpus, link, network) == ring
+                    assert scaling.hierarchical_seconds(
+                        6.6e6, 1, gpus, link, network, nic) == pytest.approx(ring, abs=1e-15)
+    # and the H = 1 rows of the several-hosts table are the single-host table's rows
+    single = {(r["link"], r["devices"]): r for r in scaling.project(2e-3, 6.6e6, counts=(8,))}
+    for row in scaling.project_hosts(2e-3, 6.6e6, hosts=(1,), gpus_per_host=8):
+        link = scaling.CLUSTERS[row["cluster"]][0]
+        assert row["efficiency_flat"] == pytest.approx(single[link, 8]["efficiency"])
+        assert row["efficiency_hierarchical_overlap"] == pytest.approx(
+            single[link, 8]["efficiency_overlap"])
+    # One GPU per host: both are a ring over the network.
+    net = scaling.NETWORKS["100 GbE"]
+    ring = scaling.allreduce_seconds(1e8, 4, *net)
+    assert scaling.flat_ring_seconds(1e8, 4, 1, INSIDE, net) == pytest.approx(ring)
+    assert scaling.hierarchical_seconds(1e8, 4, 1, INSIDE, net, "gpu") == pytest.approx(ring)
+
+
+def test_hierarchical_allreduce_wins_when_the_network_is_slower():
+    nvlink = scaling.LINKS["NVLink 4 (H100 SXM)"]
+    for network in scaling.NETWORKS.values():
+        for hosts in (2, 4, 16, 64):
+            for gpus in (2, 4, 8):
+                for grad_bytes in (1e5, 6.6e6, 1.78e8, 1e9):
+                    flat = scaling.flat_ring_seconds(grad_bytes, hosts, gpus, nvlink, network)
+                    hier = scaling.hierarchical_seconds(grad_bytes, hosts, gpus, nvlink,
+                                                        network, "gpu")
+                    assert hier <= flat, (network, hosts, gpus, grad_bytes)
+    # With one NIC per host the NIC carries about 2 S either way: large gradients over
+    # slow PCIe inside the host make the hierarchical scheme the slower (as documented).
+    pcie3, ethernet = scaling.OTHER_LINKS["PCIe Gen3 x16"], scaling.NETWORKS["25 GbE"]
+    assert scaling.hierarchical_seconds(1.78e8, 16, 8, pcie3, ethernet, "node") > (
+        scaling.flat_ring_seconds(1.78e8, 16, 8, pcie3, ethernet))
+    # More hosts, less efficiency; a faster network, more.
+    rows = scaling.project_hosts(5e-3, 1.78e8, hosts=(1, 2, 4, 16, 64))
+    for cluster in scaling.CLUSTERS:
+        effs = [r["efficiency_hierarchical"] for r in rows if r["cluster"] == cluster]
+        assert effs == sorted(effs, reverse=True), cluster
+    by = {(r["cluster"], r["hosts"]): r for r in rows}
+    assert (by["NVLink 4 + IB NDR, NIC per GPU", 16]["hierarchical_ms"]
+            < by["NVLink 4 + IB HDR, NIC per GPU", 16]["hierarchical_ms"]
+            < by["NVLink 4 + 100 GbE, NIC per node", 16]["hierarchical_ms"])
+
+
+def test_scaling_beside_horovods_published_figures():
+    published = scaling.HOROVOD_PUBLISHED
+    assert "1802.05799" in published["source"] and "benchmarks" in published["source"]
+    assert published["efficiency"][("ResNet-101", 512)] == 0.90
+    assert published["efficiency"][("VGG-16", 512)] == 0.68
+    comparison = scaling.horovod_comparison()
+    assert comparison["grad_bytes"] == pytest.approx(4 * 44.5e6)
+    assert "assumed" in comparison["step_assumption"]
+    shapes = [(r["hosts"], r["gpus_per_host"]) for r in comparison["rows"]]
+    assert {(32, 4), (128, 4), (16, 8), (64, 8)} <= set(shapes)
+    for row in comparison["rows"]:
+        assert row["published_resnet101"] == {128: 0.88, 512: 0.90}[row["gpus"]]
+        if row["cluster"].startswith("PCIe Gen3"):  # Horovod's hardware: the published
+            # figure lies between our no-overlap and full-overlap figures
+            assert row["efficiency_flat"] < row["published_resnet101"] <= (
+                row["efficiency_flat_overlap"])
+    json.dumps(comparison)  # goes into projection.json as it is
+
+
+def test_project_from_step_ms_trains_nothing(tmp_path, capsys, monkeypatch):
+    from keras_multigpu.bench import harness
+
+    def no_worker(*args, **kwargs):
+        raise AssertionError("--project --step-ms must not run a worker")
+
+    monkeypatch.setattr(harness, "run_worker", no_worker)
+    code = cli.main(["bench", "--project", "--step-ms", "10", "--model", "dense",
+                     "--hosts", "1,2,16", "--gpus-per-host", "4", "--output", str(tmp_path)])
+    assert code == 0
+    results = json.loads((tmp_path / "projection.json").read_text())
+    assert results["measured"] is None and "modelled" in results["note"]
+    p = results["projection"]
+    assert p["compute_ms"] == 10 and p["source"] == "--step-ms"
+    assert p["parameters"] == 197322 and p["grad_bytes"] == 4 * 197322  # the dense model's
+    assert [(r["hosts"], r["gpus"]) for r in p["multi_host"]["rows"]][:3] == [
+        (1, 4), (2, 8), (16, 64)]
+    assert len(p["multi_host"]["rows"]) == 3 * len(scaling.CLUSTERS)
+    assert p["rows"] and p["horovod"]["rows"]
+    printed = capsys.readouterr().out
+    for text in ("Projected efficiency from --step-ms", "Several hosts, 4 GPUs each",
+                 "flat ms", "hier ms", "Beside Horovod", "projection.json"):
+        assert text in printed, text
+    assert not (tmp_path / "results.json").exists()
+    # --params replaces the model's count (no model is built)
+    code = cli.main(["bench", "--project", "--step-ms", "40", "--params", "44.5e6",
+                     "--output", str(tmp_path)])
+    assert code == 0
+    p = json.loads((tmp_path / "projection.json").read_text())["projection"]
+    assert p["parameters"] == 44_500_000 and p["multi_host"]["hosts"] == [1, 2, 4, 16, 64]
+
+
+def test_project_flags_are_checked(tmp_path, capsys):
+    assert cli.main(["bench", "--project", "--setups", "ours-1", "--step-ms", "10",
+                     "--output", str(tmp_path / "x")]) == 2
+    assert "--project runs no setups" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+    for flags in (["--hosts", "0,2"], ["--hosts", "2,2"], ["--hosts", "two"],
+                  ["--gpus-per-host", "0"], ["--params", "1.5"], ["--params", "-3"]):
+        with pytest.raises(SystemExit) as stop:
+            cli.main(["bench", "--project", "--step-ms", "10", *flags])
+        assert stop.value.code == 2, flags
+        assert flags[0] in capsys.readouterr().err
+
+
+def test_project_measures_ours_1_once(tmp_path, capsys):
+    code = cli.main(["bench", "--project", "--model", "dense", "--batch-per-device", "32",
+                     "--samples", "1024", "--hosts", "1,4", "--output", str(tmp_path)])
+    assert code == 0
+    results = json.loads((tmp_path / "projection.json").read_text())
+    measured, p = results["measured"], results["projection"]
+    assert measured["setup"] == "ours-1" and measured["steps_per_epoch"] == 8  # at most 8
+    assert results["spec"]["epochs"] == 1 and results["spec"]["fit_calls"] == 0
+    assert p["compute_ms"] == measured["compiled_step_ms"] > 0
+    assert p["source"] == "measured ours-1 compiled step" and p["parameters"] == 197322
+    assert results["machine"]["devices"]
+    assert "Projected efficiency from measured ours-1 compiled step" in capsys.readouterr().out

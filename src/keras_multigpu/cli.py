@@ -323,9 +323,58 @@ def cmd_compare(args):
     return EXIT_TARGET_MISSED if missed else 0
 
 
+def _host_counts(text):
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1 or len(set(counts)) != len(counts):
+        raise argparse.ArgumentTypeError(
+            f"expected distinct host counts of at least 1, like 1,2,4,16; got {text!r}"
+        )
+    return counts
+
+
+def _parameter_count(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 1 <= value < math.inf or value != int(value):
+        raise argparse.ArgumentTypeError(
+            f"expected a whole number of parameters, like 44500000 or 44.5e6; got {text!r}"
+        )
+    return int(value)
+
+
+PROJECT_MAX_STEPS = 8  # `bench --project` measures at most this many steps per epoch
+
+
+def _cmd_project(args):
+    """`bench --project`: the cost model alone, from --step-ms or one short ours-1 run."""
+    from keras_multigpu import bench
+    from keras_multigpu.bench import harness
+
+    if args.setups:
+        raise UsageError("--project runs no setups; leave out --setups")
+    batch = args.batch_per_device
+    spec = bench.spec(
+        model=args.model, width=args.width, samples=min(args.samples, PROJECT_MAX_STEPS * batch),
+        epochs=1, batch_per_device=batch, precision=args.precision, fit_calls=0,
+        placement=args.placement)
+    results = harness.project_only(spec, step_ms=args.step_ms, parameters=args.params,
+                                   hosts=args.hosts, gpus_per_host=args.gpus_per_host,
+                                   output=args.output, timeout=args.timeout)
+    print(harness.format_projection(results["projection"]))
+    print(f"\nWrote {os.path.join(args.output, 'projection.json')}")
+    return 0
+
+
 def cmd_bench(args):
     from keras_multigpu import bench
 
+    if args.project:
+        return _cmd_project(args)
     if args.setups:
         setups = [bench.parse(name) for name in args.setups.split(",") if name.strip()]
     else:
@@ -337,7 +386,8 @@ def cmd_bench(args):
                       precision=args.precision, fit_calls=args.fit_calls,
                       fit_epochs=args.fit_epochs, placement=args.placement)
     results = bench.run(setups, spec, rounds=args.rounds, output=args.output,
-                        timeout=args.timeout, step_ms=args.step_ms)
+                        timeout=args.timeout, step_ms=args.step_ms, parameters=args.params,
+                        hosts=args.hosts, gpus_per_host=args.gpus_per_host)
     print(bench.format_table(results))
     return 0
 
@@ -443,6 +493,19 @@ def build_parser():
     bench.add_argument("--step-ms", type=_positive_float, default=None,
                        help="project scaling from this one-device step time instead "
                             "(default: measure)")
+    bench.add_argument("--project", action="store_true",
+                       help="print the scaling projection only (modelled: one host, several "
+                            "hosts, Horovod's published figures) and write projection.json; "
+                            "runs no setups: the step is --step-ms, else ours-1's compiled "
+                            f"step measured once (1 epoch of at most {PROJECT_MAX_STEPS} "
+                            "steps, then 10 steps)")
+    bench.add_argument("--hosts", type=_host_counts, default=[1, 2, 4, 16, 64],
+                       help="host counts projected (default: 1,2,4,16,64)")
+    bench.add_argument("--gpus-per-host", type=_positive_int, default=8,
+                       help="GPUs per host in the several-hosts projection")
+    bench.add_argument("--params", type=_parameter_count, default=None,
+                       help="parameters whose fp32 gradients the projection all-reduces, "
+                            "e.g. 44.5e6 (default: the --model's)")
     bench.add_argument("--timeout", type=_positive_float, default=900,
                        help="seconds per worker")
     bench.add_argument("--output", default="runs/bench", help="folder for the results")

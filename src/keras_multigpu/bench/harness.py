@@ -20,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 
 from keras_multigpu import launch
 from keras_multigpu._io import write_json
@@ -154,19 +155,79 @@ def _ratios(table, figure):
     return ratios
 
 
-def projection(table, step_ms=None):
+def projection(table, step_ms=None, parameters=None, hosts=scaling.DEFAULT_HOSTS,
+               gpus_per_host=scaling.DEFAULT_GPUS_PER_HOST):
+    """The cost model from `ours-1`'s compiled step (or `step_ms`) and parameter count."""
     one = table.get("ours-1")
     if one is None or (step_ms is None and one["compiled_step_ms"] is None):
         return None
-    compute = (step_ms if step_ms is not None else one["compiled_step_ms"]["median"]) / 1000
-    grad_bytes = 4 * one["parameters"]
-    return {"compute_ms": compute * 1000, "grad_bytes": grad_bytes,
-            "source": "--step-ms" if step_ms is not None else "measured ours-1 compiled step",
-            "assumptions": scaling.ASSUMPTIONS,
-            "rows": scaling.project(compute, grad_bytes)}
+    compute_ms = step_ms if step_ms is not None else one["compiled_step_ms"]["median"]
+    return project_step(compute_ms, parameters or one["parameters"],
+                        "--step-ms" if step_ms is not None else "measured ours-1 compiled step",
+                        hosts, gpus_per_host)
 
 
-def run(setups, spec, rounds=3, output=None, timeout=900, step_ms=None):
+def project_step(compute_ms, parameters, source, hosts=scaling.DEFAULT_HOSTS,
+                 gpus_per_host=scaling.DEFAULT_GPUS_PER_HOST):
+    """Modelled efficiency on one host, on several, and beside Horovod's published figures.
+
+    `compute_ms`: one device's step; the gradients are `parameters` in fp32.
+    """
+    compute = compute_ms / 1000
+    grad_bytes = 4 * parameters
+    return {"compute_ms": compute_ms, "parameters": parameters, "grad_bytes": grad_bytes,
+            "source": source, "modelled": True, "assumptions": scaling.ASSUMPTIONS,
+            "rows": scaling.project(compute, grad_bytes),
+            "multi_host": {
+                "hosts": list(hosts), "gpus_per_host": gpus_per_host,
+                "assumptions": scaling.MULTI_HOST_ASSUMPTIONS,
+                "rows": scaling.project_hosts(compute, grad_bytes, hosts, gpus_per_host)},
+            "horovod": scaling.horovod_comparison()}
+
+
+def count_parameters(spec):
+    """The parameter count of `spec`'s model, built here (nothing is trained)."""
+    from keras_multigpu.bench import worker
+
+    return int(worker.build_model(spec["model"], spec["width"]).count_params())
+
+
+def project_only(spec, step_ms=None, parameters=None, hosts=scaling.DEFAULT_HOSTS,
+                 gpus_per_host=scaling.DEFAULT_GPUS_PER_HOST, output=None, timeout=900):
+    """The projection alone, without the benchmark's setups; writes projection.json.
+
+    The one-device step is `step_ms`, else `ours-1`'s compiled step measured once
+    on the devices at hand (one worker process running `spec`); the gradients
+    are `parameters`, else the model's.
+    """
+    measured = None
+    if step_ms is None:
+        setup = setups_lib.Setup("ours", 1)
+        result = run_worker(setup, spec, setups_lib.cpu_only(), timeout)
+        if result["compiled_step_ms"] is None:
+            raise RuntimeError("the ours-1 worker measured no compiled step")
+        measured = {k: result[k] for k in ("setup", "devices", "global_batch", "steps_per_epoch",
+                                           "compiled_step_ms", "ms_per_step",
+                                           "images_per_second", "compile_seconds",
+                                           "parameters")}
+        step_ms, source = result["compiled_step_ms"], "measured ours-1 compiled step"
+        parameters = parameters or result["parameters"]
+    else:
+        source = "--step-ms"
+        parameters = parameters or count_parameters(spec)
+    results = {"command": " ".join(sys.argv), "spec": spec, "machine": machine(),
+               "measured": measured,
+               "note": "every efficiency and time below is modelled (bench/scaling.py), "
+                       "not measured; only 'measured' was measured, on 'machine'",
+               "projection": project_step(step_ms, parameters, source, hosts, gpus_per_host)}
+    if output:
+        os.makedirs(output, exist_ok=True)
+        write_json(os.path.join(output, "projection.json"), results)
+    return results
+
+
+def run(setups, spec, rounds=3, output=None, timeout=900, step_ms=None, parameters=None,
+        hosts=scaling.DEFAULT_HOSTS, gpus_per_host=scaling.DEFAULT_GPUS_PER_HOST):
     """Measures every setup `rounds` times; writes results.json and plots to `output`."""
     virtual = setups_lib.cpu_only()
     skipped = {s.name: setups_lib.available(s) for s in setups if setups_lib.available(s)}
@@ -193,7 +254,7 @@ def run(setups, spec, rounds=3, output=None, timeout=900, step_ms=None):
                "failures": failures,
                "table": table, "ratios": ratios,
                "fit_call_ratios": _ratios(table, "fit_call_images_per_second"),
-               "projection": projection(table, step_ms),
+               "projection": projection(table, step_ms, parameters, hosts, gpus_per_host),
                "raw": runs}
     if output:
         os.makedirs(output, exist_ok=True)
@@ -226,15 +287,67 @@ def format_table(results):
         lines.append("Per fit call:")
         lines += [f"{name:32} {value:.3f}" for name, value in results["fit_call_ratios"].items()]
     if results["projection"]:
-        p = results["projection"]
-        lines.append(f"\nProjected efficiency from {p['source']} ({p['compute_ms']:.2f} ms, "
-                     f"{p['grad_bytes'] / 1e6:.1f} MB of gradients); assumptions: "
-                     f"{p['assumptions']}")
-        for row in p["rows"]:
-            lines.append(f"  {row['link']:22} {row['devices']:>3} GPUs: "
-                         f"{100 * row['efficiency']:5.1f} % (no overlap), "
-                         f"{100 * row['efficiency_overlap']:5.1f} % (overlap)")
+        lines += ["", *format_projection(results["projection"]).splitlines()]
     return "\n".join(lines)
+
+
+def _percent(value):
+    return f"{100 * value:.1f}"
+
+
+def format_projection(p):
+    """The cost model's tables: one host, several hosts, Horovod's published figures."""
+    lines = _wrap(f"Projected efficiency from {p['source']} ({p['compute_ms']:.2f} ms, "
+                  f"{p['grad_bytes'] / 1e6:.1f} MB of gradients); modelled, not measured; "
+                  f"assumptions: {p['assumptions']}")
+    for row in p["rows"]:
+        lines.append(f"  {row['link']:22} {row['devices']:>3} GPUs: "
+                     f"{100 * row['efficiency']:5.1f} % (no overlap), "
+                     f"{100 * row['efficiency_overlap']:5.1f} % (overlap)")
+    multi = p.get("multi_host")
+    if multi:
+        lines += ["", *_wrap(f"Several hosts, {multi['gpus_per_host']} GPUs each (modelled, "
+                             f"not measured; {p['parameters'] / 1e6:.2f} M parameters, "
+                             f"{p['compute_ms']:.2f} ms step; flat ring and hierarchical "
+                             f"all-reduce; efficiency without and with overlap); assumptions: "
+                             f"{multi['assumptions']}"),
+                  *_host_table(multi["rows"])]
+    horovod = p.get("horovod")
+    if horovod:
+        published = ", ".join(f"{name} {_percent(v)} %" for name, v in horovod["published"].items())
+        lines += ["", *_wrap(f"Beside Horovod: our model (not a measurement) for "
+                             f"ResNet-101-sized gradients ({horovod['parameters'] / 1e6:.1f} M "
+                             f"fp32 parameters, {horovod['grad_bytes'] / 1e6:.0f} MB); "
+                             f"{horovod['step_assumption']}."),
+                  *_wrap(f"Horovod's published efficiency (measured by Uber on 4 Pascal GPUs "
+                         f"per host and 25 GbE; the last column gives its ResNet-101 figure "
+                         f"at the row's GPU count): {published}. Source: {horovod['source']}"),
+                  *_host_table(horovod["rows"], extra=True)]
+    return "\n".join(lines)
+
+
+def _wrap(text):
+    return textwrap.wrap(text, width=100, break_on_hyphens=False)
+
+
+def _host_table(rows, extra=False):
+    head = (f"{'link + network':34}{'hosts':>6}{'GPUs':>6}{'flat ms':>10}{'hier ms':>10}"
+            f"{'flat %':>8}{'+ovl':>7}{'hier %':>8}{'+ovl':>7}")
+    if extra:
+        head += f"{'step for 90 %':>15}{'Horovod %':>11}"
+    lines = [head]
+    for r in rows:
+        line = (f"{r['cluster']:34}{r['hosts']:>6}{r['gpus']:>6}{r['flat_ms']:>10.2f}"
+                f"{r['hierarchical_ms']:>10.2f}{_percent(r['efficiency_flat']):>8}"
+                f"{_percent(r['efficiency_flat_overlap']):>7}"
+                f"{_percent(r['efficiency_hierarchical']):>8}"
+                f"{_percent(r['efficiency_hierarchical_overlap']):>7}")
+        if extra:
+            published = r["published_resnet101"]
+            line += (f"{r['step_ms_for_90_percent']:>12.1f} ms"
+                     f"{'-' if published is None else _percent(published):>11}")
+        lines.append(line)
+    return lines
 
 
 def _format_fit_calls(results):
