@@ -312,6 +312,54 @@ class PaddedBatches(keras.utils.PyDataset):
     def pad(self, batch):
         return pad_batch(batch, self.replicas, self.tag, self.class_weight)[0]
 
+    # -- exact resume (see `keras_multigpu.callbacks.Checkpoint`) -----------
+    #
+    # A dataset that can resume mid-epoch records, as each pass starts, the
+    # state of every generator its order draws from (`pass_state`) and the
+    # pass's order as read (`order`). `resume(state, skip)` puts those
+    # generators back, so that the next pass draws the same order again, and
+    # makes every pass serve only its batches from `skip` on (`num_batches`
+    # less `skip`), until `skip` is set back to 0: `ParallelModel.fit` runs
+    # the rest of the interrupted epoch as a Keras call of its own.
+
+    resumable = False
+    skip = 0
+
+    def position(self):
+        """What `resume` needs: None where this input cannot resume mid-epoch."""
+        return None
+
+    def resume(self, state, skip):
+        raise ValueError(
+            f"A {type(self).__name__} cannot resume in the middle of an epoch (its batches "
+            "are not indexed). Checkpoint at epoch ends only (Checkpoint(every_steps=None)), "
+            "or pass arrays or a keras.utils.PyDataset."
+        )
+
+
+def _generator_state(rng):
+    """A generator's state as plain data (NumPy's RandomState, Python's Random)."""
+    if hasattr(rng, "get_state"):  # a RandomState, or NumPy's global one (np.random)
+        kind, keys, pos, has_gauss, gauss = rng.get_state()
+        return {"numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)]}
+    return {"python": _listed(rng.getstate())}
+
+
+def _listed(value):
+    return [_listed(v) for v in value] if isinstance(value, (tuple, list)) else value
+
+
+def _tupled(value):
+    return tuple(_tupled(v) for v in value) if isinstance(value, list) else value
+
+
+def _set_generator_state(rng, state):
+    if "numpy" in state:
+        kind, keys, pos, has_gauss, gauss = state["numpy"]
+        rng.set_state((kind, np.asarray(keys, "uint32"), pos, has_gauss, gauss))
+    else:
+        rng.setstate(_tupled(state["python"]))
+
 
 class ArrayBatches(PaddedBatches):
     """Arrays (or dicts/lists of arrays) batched by a `Plan`, shuffled as Keras does.
@@ -356,18 +404,65 @@ class ArrayBatches(PaddedBatches):
         self._pass = 0  # counts passes (batch 0 reads), so a prefetch knows its own
         self._pending = None  # (pass, index, future) of the batch being prefetched
         self._executor = None
+        self._pass_state = None  # the generators' state as the current pass started
+
+    resumable = True
 
     @property
     def num_batches(self):
-        return self.plan.num_batches
+        return self.plan.num_batches - self.skip
+
+    def _generators(self):
+        """States of the generators a pass draws from: this dataset's, and the engine's."""
+        state = _generator_state(self.rng) if hasattr(self.rng, "get_state") else {}
+        get_state = getattr(self.passes, "get_state", None)
+        if get_state is not None:
+            state["engine"] = get_state()
+        return state
+
+    def _set_generators(self, state):
+        if state.get("numpy") is not None and hasattr(self.rng, "set_state"):
+            _set_generator_state(self.rng, state)
+        if state.get("engine") is not None and hasattr(self.passes, "set_state"):
+            self.passes.set_state(state["engine"])
+
+    def position(self):
+        if self._batches is None:
+            return None
+        return {"generators": self._pass_state, "order": [np.asarray(b) for b in
+                                                          self._batches[1]]}
+
+    def resume(self, state, skip):
+        self.skip = int(skip)
+        self._expected = state.get("order")
+        self._batches = None
+        if self.skip:
+            # Restored as the pass starts, where they were captured: anything the
+            # trainer draws before (torch's DataLoader does) is then drawn alike.
+            # Once the pass is drawn, the engine's generator is set as it was at
+            # the checkpoint: the steps done had drawn from it too (torch's
+            # unseeded Dropout does).
+            self._resume_generators = state["generators"]
+            self._resume_now = state.get("now")
+        elif state.get("generators") is not None:
+            self._set_generators(state["generators"])
 
     def _rows(self, index, new_pass=False):
         """The row indices of batch `index` of the current pass (with `new_pass`, of a new one)."""
         if new_pass or self._batches is None:
+            if getattr(self, "_resume_generators", None) is not None:
+                self._set_generators(self._resume_generators)
+                self._resume_generators = None
+            self._pass_state = self._generators()
             self._batches = (self.passes(), [])
         batches, read = self._batches
         while len(read) <= index:
             read.append(next(batches))
+        now = getattr(self, "_resume_now", None)
+        if now is not None:
+            self._resume_now = None
+            if now.get("engine") is not None and hasattr(self.passes, "set_state"):
+                self.passes.set_state(now["engine"])
         return read[index]
 
     def _host_batch(self, rows):
@@ -394,13 +489,37 @@ class ArrayBatches(PaddedBatches):
             self._executor.shutdown(wait=True, cancel_futures=True)
             self._executor, self._pending = None, None
 
+    def _resumed_rows(self, index):
+        """Batch `index` of a resumed pass: the pass is drawn again, its first `skip` not served."""
+        new_pass = index == 0
+        index += self.skip
+        rows = self._rows(index, new_pass=new_pass)
+        expected = getattr(self, "_expected", None)
+        if new_pass and expected:
+            self._expected = None
+            batches, read = self._batches
+            if not all(np.array_equal(a, b) for a, b in zip(read, expected)):
+                warnings.warn(
+                    "The resumed epoch's data order differs from the checkpoint's: the "
+                    "generators it was drawn from could not be restored (set a seed, e.g. "
+                    "keras.utils.set_random_seed, before building the model). The epoch "
+                    "goes on in the checkpoint's order, as far as it was read.",
+                    stacklevel=3,
+                )
+                read[:len(expected)] = [np.asarray(b) for b in expected]
+                rows = self._rows(index)
+        return index, rows
+
     def __getitem__(self, index):
-        if not 0 <= index < self.plan.num_batches:
-            raise IndexError(f"Batch {index} of {self.plan.num_batches}.")
+        if not 0 <= index < self.num_batches:
+            raise IndexError(f"Batch {index} of {self.num_batches}.")
         if index == 0:
             self._pass += 1
-        # Batch 0 starts a pass: Keras draws its permutation as its iterator starts.
-        rows = self._rows(index, new_pass=index == 0)
+        if self.skip:
+            index, rows = self._resumed_rows(index)
+        else:
+            # Batch 0 starts a pass: Keras draws its permutation as its iterator starts.
+            rows = self._rows(index, new_pass=index == 0)
         if self.take is not None:
             # One gather per array: the batch's rows and its padding together.
             padding, _ = pad_indices(len(rows), self.replicas)
@@ -443,13 +562,34 @@ class WrappedPyDataset(PaddedBatches):
             dataset.workers > 0 and dataset.use_multiprocessing
         )
         self._lock = threading.Lock()
+        self._pass_state = None
         # Keras's TensorFlow adapter reads a few batches for their shapes before the first
         # epoch begins, unshuffled and without drawing: those reads are passed through.
         self._started = False
 
     @property
     def num_batches(self):
-        return self.dataset.num_batches
+        return self.dataset.num_batches - self.skip
+
+    @property
+    def resumable(self):
+        return self.dataset.num_batches is not None
+
+    def position(self):
+        if not self.resumable:
+            return None
+        order = self.order if self.shuffle else None
+        return {"generators": self._pass_state, "order": order}
+
+    def resume(self, state, skip):
+        self.skip = int(skip)
+        self.order = None
+        self._expected = state.get("order")
+        generators = state.get("generators")
+        if self.skip:
+            self._resume_generators = generators  # restored as the pass draws (see ArrayBatches)
+        elif generators is not None:
+            _set_generator_state(self.rng, generators)
 
     def _position(self, index):
         if not self.shuffle:
@@ -458,14 +598,31 @@ class WrappedPyDataset(PaddedBatches):
             # Unthreaded, Keras draws as a pass starts (batch 0); threaded,
             # its enqueuer draws once an epoch, so the order is reset at the
             # epoch's end and drawn by whichever fetch comes first.
-            if self.order is None or (index == 0 and not self._threaded):
+            if self.order is None or (index == self.skip and not self._threaded):
+                if getattr(self, "_resume_generators", None) is not None:
+                    _set_generator_state(self.rng, self._resume_generators)
+                    self._resume_generators = None
+                self._pass_state = _generator_state(self.rng) if hasattr(
+                    self.rng, "getstate") else None
                 order = list(range(self.dataset.num_batches))
                 self.rng.shuffle(order)
+                expected = getattr(self, "_expected", None)
+                if expected is not None and list(expected) != order:
+                    warnings.warn(
+                        "The resumed epoch's batch order differs from the checkpoint's (set a "
+                        "seed, e.g. keras.utils.set_random_seed, before building the model): "
+                        "it follows the checkpoint's.",
+                        stacklevel=2,
+                    )
+                    order = [int(i) for i in expected]
+                self._expected = None
                 self.order = order
             return self.order[index]
 
     def __getitem__(self, index):
-        return self.pad(self.dataset[self._position(index) if self._started else index])
+        if self._started:
+            return self.pad(self.dataset[self._position(index + self.skip)])
+        return self.pad(self.dataset[index])
 
     def on_epoch_begin(self):
         self._started = True

@@ -1,9 +1,19 @@
-"""Callbacks for the experiment: per-epoch timing and learning rate."""
+"""Callbacks: per-epoch timing and learning rate for the experiment, and `Checkpoint`,
+which resumes a run exactly, mid-epoch included."""
 
+import json
+import os
+import random
+import shutil
 import time
+import warnings
+import zipfile
 
 import keras
 import numpy as np
+from keras.src.utils import io_utils
+
+from keras_multigpu import _io
 
 
 class EpochStats(keras.callbacks.Callback):
@@ -77,3 +87,422 @@ class EpochRecorder(keras.callbacks.Callback):
         self.epochs.append(record)
         self.write(list(self.epochs))
         self.saved = len(self.epochs)
+
+
+CHECKPOINT_FORMAT = 1
+_PREFIX = "ckpt-"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read, or that does not fit the run resuming from it."""
+
+
+def _seed_generators(model):
+    """The model's `SeedGenerator`s (Dropout's, noise layers', a model's own), in layer order.
+
+    Their states are not in a `.keras` file, and a rebuilt model starts them at
+    zero: a resumed run would draw other masks than an uninterrupted one.
+    """
+    found, seen = [], set()
+    for layer in model._flatten_layers(include_self=True):
+        for generator in getattr(layer, "_seed_generators", ()):
+            if id(generator) not in seen:
+                seen.add(id(generator))
+                found.append(generator)
+    return found
+
+
+def _global_seed_generator():
+    from keras.src.backend.common import global_state
+
+    return global_state.get_global_attribute("global_seed_generator")
+
+
+def _numpy(variable):
+    return np.asarray(variable.numpy())
+
+
+def _fsync_tree(directory):
+    for name in os.listdir(directory):
+        with open(os.path.join(directory, name), "rb") as f:
+            os.fsync(f.fileno())
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _dead_leftover(name):
+    """A `.ckpt-*.tmp-<pid>` or `.old-<pid>` folder whose writer is gone."""
+    if not name.startswith("." + _PREFIX) or "-" not in name:
+        return False
+    owner = name.rsplit("-", 1)[-1]
+    return owner.isdigit() and int(owner) != os.getpid() and not _io._alive(int(owner))
+
+
+class Checkpoint(keras.callbacks.Callback):
+    """Saves what a run needs to resume exactly, and resumes from it when `fit` starts.
+
+    Keras's `BackupAndRestore` resumes at the start of the epoch it was
+    interrupted in, with the weights of the middle of it, and keeps no
+    generator state or data position: the resumed run is another run. This
+    callback keeps, in each checkpoint (a folder `ckpt-<step>` of
+    `directory`):
+
+    - `model.keras`: the model with its optimizer state (so the learning-rate
+      schedule's position, the optimizer's iteration count), a plain Keras file;
+    - `state.json`: the epoch, the step within it, the global step, the
+      generators the data order is drawn from (as the epoch started) and
+      Python's and NumPy's global generators;
+    - `arrays.npz`: the epoch's data order as read so far, the states of the
+      model's `SeedGenerator`s (Dropout masks, noise) and of the metrics.
+
+    Resuming (the next `fit` with this callback, after a crash, a kill or a
+    Ctrl-C) loads the newest readable checkpoint, restores every state, and
+    draws the interrupted epoch's order again, serving only its remaining
+    batches: the run ends with the weights an uninterrupted run has, when
+    the program sets the same seed (`keras.utils.set_random_seed`) and builds
+    the same model. Keras shows the resumed epoch with its remaining steps.
+
+    A checkpoint appears whole or not at all: it is written to a hidden folder
+    and renamed. One that cannot be read (a truncated file, a damaged archive)
+    is named in a warning and the one before it is used. With several
+    processes, the first writes and every one reads.
+
+    Needs a `ParallelModel` (`multi_gpu_model(model, gpus=1)` for one
+    device), whose `fit` knows the data position. Other callbacks' own state
+    (EarlyStopping's patience, ReduceLROnPlateau's) is not kept.
+
+    Args:
+        directory: the folder of checkpoints (created if missing).
+        every_steps: also save every this many training steps (None: at
+            each epoch's end only). Mid-epoch saves need arrays or a
+            `PyDataset` of known length as input.
+        keep: how many checkpoints to keep, the newest (at least 1).
+        resume: whether `fit` resumes from the newest checkpoint found.
+    """
+
+    def __init__(self, directory, every_steps=None, keep=3, resume=True):
+        super().__init__()
+        if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
+            raise TypeError(f"directory must be a folder path. Received: {directory!r}.")
+        for name, value in (("every_steps", every_steps), ("keep", keep)):
+            if value is None and name == "every_steps":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(
+                    f"{name} must be an int >= 1{' or None' if name == 'every_steps' else ''}. "
+                    f"Received: {name}={value!r}."
+                )
+        self.directory = os.fspath(directory)
+        self.every_steps = every_steps
+        self.keep = int(keep)
+        self.resume = resume
+        self.resumed_from = None  # the checkpoint `fit` resumed from, if any
+        self._found = None  # the checkpoint `resume_point` read, for `on_train_begin`
+        self._reset_position()
+
+    def _reset_position(self):
+        self._epoch = 0
+        self._in_epoch = 0
+        self._offset = 0  # steps of the resumed epoch done before the resume
+        self._resumed_epoch = None
+        self._global = 0
+        self._epoch_start_global = 0
+        self._pending_metrics = None
+        self._last_saved = None
+
+    # -- where things are ------------------------------------------------
+
+    def _parallel(self):
+        model = self.model
+        if not hasattr(model, "_fit_dataset"):
+            raise TypeError(
+                "Checkpoint needs a ParallelModel, whose fit knows the data position. "
+                f"Received a {type(model).__name__}. Wrap it: "
+                "keras_multigpu.multi_gpu_model(model, gpus=1) trains on one device."
+            )
+        return model
+
+    def _writer(self):
+        return self.model._backend.process_index() == 0
+
+    def checkpoints(self):
+        """The checkpoint folders in `directory`, oldest first."""
+        if not os.path.isdir(self.directory):
+            return []
+        names = sorted(n for n in os.listdir(self.directory)
+                       if n.startswith(_PREFIX) and n[len(_PREFIX):].isdigit())
+        return [os.path.join(self.directory, n) for n in names]
+
+    # -- reading ---------------------------------------------------------
+
+    @staticmethod
+    def read(path):
+        """The state of checkpoint `path`: `(state, arrays)`; a `CheckpointError` if damaged."""
+        try:
+            with open(os.path.join(path, "state.json")) as f:
+                state = json.load(f)
+            if state.get("format") != CHECKPOINT_FORMAT:
+                raise CheckpointError(f"format {state.get('format')!r}, expected "
+                                      f"{CHECKPOINT_FORMAT}")
+            with np.load(os.path.join(path, "arrays.npz")) as loaded:
+                arrays = {key: loaded[key] for key in loaded.files}
+            with zipfile.ZipFile(os.path.join(path, "model.keras")) as archive:
+                bad = archive.testzip()
+                if bad is not None:
+                    raise CheckpointError(f"model.keras: {bad} fails its checksum")
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as error:
+            raise CheckpointError(
+                f"Checkpoint {path} cannot be read: {type(error).__name__}: {error}. It is "
+                "truncated or damaged (a crash while it was copied, a full disk?)."
+            ) from error
+        return state, arrays
+
+    def _newest_readable(self):
+        found = self.checkpoints()
+        for path in reversed(found):
+            try:
+                return path, *self.read(path)
+            except CheckpointError as error:
+                warnings.warn(f"{error} Using the checkpoint before it.", stacklevel=3)
+        if found:
+            raise CheckpointError(
+                f"No checkpoint in {self.directory} can be read ({len(found)} found, all "
+                "damaged; see the warnings). Move the folder away to start afresh, or pass "
+                "resume=False."
+            )
+        return None
+
+    # -- writing ---------------------------------------------------------
+
+    def _prepare_directory(self):
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            probe = os.path.join(self.directory, f".write-test-{os.getpid()}")
+            with open(probe, "w"):
+                pass
+            os.remove(probe)
+        except OSError as error:
+            raise OSError(
+                error.errno, f"Checkpoint cannot write to {self.directory}: {error.strerror}. "
+                "Pass a folder this process can write to."
+            ) from error
+        for name in os.listdir(self.directory):
+            if _dead_leftover(name):
+                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+
+    def _state(self, epoch, step, dataset):
+        model = self._parallel()
+        position = dataset.position() if dataset is not None else None
+        now = dataset._generators() if hasattr(dataset, "_generators") else None
+        if step == 0 or position is None:
+            # A pass not begun: the generators as they are now draw the next one.
+            generators, order = now, None
+        else:
+            generators, order = position["generators"], position["order"]
+        python_kind, python_state, python_gauss = random.getstate()
+        numpy_state = np.random.get_state()
+        state = {
+            "format": CHECKPOINT_FORMAT,
+            "epoch": int(epoch), "step": int(step), "global_step": int(self._global),
+            "num_batches": None if dataset is None else int(dataset.num_batches + dataset.skip),
+            "replicas": model.num_replicas,
+            "data": {"generators": generators, "now": now},
+            "random": {"python": [python_kind, list(python_state), python_gauss],
+                       "numpy": [numpy_state[0], numpy_state[1].tolist(), *map(
+                           _plain, numpy_state[2:])]},
+        }
+        arrays = {}
+        if order:
+            batches = [np.asarray(b, "int64") for b in order]
+            arrays["order"] = np.concatenate(batches)
+            arrays["order_lengths"] = np.asarray([len(b) for b in batches], "int64")
+        for i, generator in enumerate(_seed_generators(model.template)):
+            arrays[f"seed_{i}"] = _numpy(generator.state)
+        global_generator = _global_seed_generator()
+        if global_generator is not None:
+            arrays["seed_global"] = _numpy(global_generator.state)
+        if step and model._backend.process_count() == 1:
+            # The epoch's metrics so far, for its logs after a resume. (With several
+            # processes each holds its own part of them: the resumed epoch's logs then
+            # cover its remaining steps.)
+            for i, variable in enumerate(model.metrics_variables):
+                arrays[f"metric_{i}"] = _numpy(variable)
+        return state, arrays
+
+    def save(self, epoch, step):
+        """Writes a checkpoint of the position `(epoch, step)` (steps done in `epoch`)."""
+        model = self._parallel()
+        if self._last_saved == self._global:
+            return
+        sync = getattr(model, "jax_state_sync", None)
+        if sync is not None:
+            sync()  # JAX keeps the state out of the variables within an epoch
+        name = f"{_PREFIX}{self._global:09d}"
+        final = os.path.join(self.directory, name)
+        tmp = os.path.join(self.directory, f".{name}.tmp-{os.getpid()}")
+        writer = self._writer()
+        if writer:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        # Every process calls save (the engines write on the first and wait for it).
+        model.template.save(os.path.join(tmp, "model.keras"))
+        self._last_saved = self._global
+        if not writer:
+            return
+        state, arrays = self._state(epoch, step, model._fit_dataset)
+        with open(os.path.join(tmp, "state.json"), "w") as f:
+            json.dump(state, f)
+        np.savez(os.path.join(tmp, "arrays.npz"), **arrays)
+        _fsync_tree(tmp)
+        if os.path.exists(final):  # the same step saved before (a resume): replace it
+            old = os.path.join(self.directory, f".{name}.old-{os.getpid()}")
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        for stale in self.checkpoints()[:-self.keep]:
+            shutil.rmtree(stale, ignore_errors=True)
+
+    # -- resuming --------------------------------------------------------
+
+    def _restore(self, path, state, arrays):
+        model = self._parallel()
+        template = model.template
+        dataset = model._fit_dataset
+        batches = state["num_batches"]
+        have = None if dataset is None else dataset.num_batches + dataset.skip
+        if batches != have:
+            raise CheckpointError(
+                f"Checkpoint {path} was written by a run with {batches} steps per epoch; this "
+                f"fit has {have}. Resume with the same data and batch_size, or pass "
+                "resume=False (or another directory) to start afresh."
+            )
+        optimizer = getattr(template, "optimizer", None)
+        if optimizer is not None and not optimizer.built:
+            optimizer.build(template.trainable_variables)
+        try:
+            template.load_weights(os.path.join(path, "model.keras"))
+        except (ValueError, OSError) as error:
+            raise CheckpointError(
+                f"Checkpoint {path} does not fit this model: {error}. Resume with the "
+                "program that wrote it, or pass resume=False."
+            ) from error
+        generators = _seed_generators(template)
+        for i, generator in enumerate(generators):
+            if f"seed_{i}" in arrays:
+                generator.state.assign(arrays[f"seed_{i}"])
+        if "seed_global" in arrays:
+            keras.random.SeedGenerator  # noqa: B018 (the global one exists once used)
+            global_generator = _global_seed_generator()
+            if global_generator is None:
+                from keras.src.random.seed_generator import global_seed_generator
+
+                global_generator = global_seed_generator()
+            global_generator.state.assign(arrays["seed_global"])
+        kind, values, gauss = state["random"]["python"]
+        random.setstate((kind, tuple(values), gauss))
+        kind, keys, pos, has_gauss, cached = state["random"]["numpy"]
+        np.random.set_state((kind, np.asarray(keys, "uint32"), pos, has_gauss, cached))
+        epoch, step = state["epoch"], state["step"]
+        if step >= batches:  # an epoch's end: the next begins afresh
+            epoch, step = epoch + 1, 0
+        order = None
+        if "order" in arrays:
+            order = np.split(arrays["order"], np.cumsum(arrays["order_lengths"])[:-1])
+        if dataset is not None and (step or state["data"]["generators"] is not None):
+            if step and not dataset.resumable:
+                raise CheckpointError(
+                    f"Checkpoint {path} was saved in the middle of an epoch, and this fit's "
+                    f"input ({type(dataset).__name__}) cannot start there. Pass the arrays or "
+                    "PyDataset the checkpoint was written with."
+                )
+            dataset.resume({"generators": state["data"]["generators"], "order": order,
+                            "now": state["data"].get("now")}, step)
+        self._pending_metrics = {int(k[len("metric_"):]): v for k, v in arrays.items()
+                                 if k.startswith("metric_")} or None
+        model._replicate_state()
+        model._initial_epoch = epoch
+        self._resumed_epoch, self._offset = epoch, step
+        self._global = state["global_step"]
+        self._last_saved = self._global
+        self.resumed_from = path
+        io_utils.print_msg(
+            f"Checkpoint: resuming from {path} at epoch {epoch + 1}, step {step}/{batches}.")
+
+    # -- the callback ----------------------------------------------------
+
+    def on_train_begin(self, logs=None):
+        model = self._parallel()
+        self._reset_position()
+        self.resumed_from = None
+        dataset = model._fit_dataset
+        if self.every_steps and dataset is not None and not dataset.resumable:
+            raise ValueError(
+                f"Checkpoint(every_steps={self.every_steps}) saves in the middle of epochs, "
+                f"and this fit's input ({type(dataset).__name__}) cannot resume there. Pass "
+                "arrays or a keras.utils.PyDataset of known length, or every_steps=None "
+                "(a checkpoint at each epoch's end)."
+            )
+        if self._writer():
+            self._prepare_directory()
+        found, self._found = self._found, None
+        if self.resume and found is None:
+            found = self._newest_readable()
+        if self.resume and found is not None:
+            self._restore(*found)
+
+    def resume_point(self):
+        """`(epoch, step)` where `fit` will resume (`step` steps of `epoch` done), or None.
+
+        `ParallelModel.fit` asks before it starts, to run a resumed epoch as
+        Keras runs a whole one. The checkpoint read is kept for `on_train_begin`.
+        """
+        self._found = self._newest_readable() if self.resume else None
+        if self._found is None:
+            return None
+        state = self._found[1]
+        return state["epoch"], state["step"]
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+        self._in_epoch = self._offset if epoch == self._resumed_epoch else 0
+        self._epoch_start_global = self._global - self._in_epoch
+        if self._pending_metrics is not None and epoch == self._resumed_epoch:
+            variables = self.model.metrics_variables
+            for i, value in self._pending_metrics.items():
+                if i < len(variables):
+                    variables[i].assign(value)
+            self.model._replicate_state()
+        self._pending_metrics = None
+
+    def on_train_batch_end(self, batch, logs=None):
+        offset = self._offset if self._epoch == self._resumed_epoch else 0
+        self._in_epoch = batch + 1 + offset
+        self._global = self._epoch_start_global + self._in_epoch
+        dataset = self.model._fit_dataset
+        whole = None if dataset is None else dataset.num_batches + dataset.skip
+        if (self.every_steps and self._global % self.every_steps == 0
+                and self._in_epoch != whole):
+            self.save(self._epoch, self._in_epoch)
+
+    def on_epoch_end(self, epoch, logs=None):
+        dataset = self.model._fit_dataset
+        whole = None if dataset is None else dataset.num_batches + dataset.skip
+        self.save(epoch, whole if whole is not None else self._in_epoch)
+
+    def on_interrupt(self):
+        """After a Ctrl-C (at a step boundary): a checkpoint of the steps done."""
+        if self._in_epoch:
+            self.save(self._epoch, self._in_epoch)
+        self.model._initial_epoch = None
+
+    def on_train_end(self, logs=None):
+        self.model._initial_epoch = None
+
+
+def _plain(value):
+    return value.item() if hasattr(value, "item") else value

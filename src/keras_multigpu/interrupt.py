@@ -104,10 +104,15 @@ class StopOnInterrupt(keras.callbacks.Callback):
 def end_training(callback_list, logs=None):
     """Runs the end-of-training hooks after an interruption.
 
-    Every callback's `on_train_end` runs, except `BackupAndRestore`'s: it
+    Callbacks with an `on_interrupt()` (`Checkpoint`) run it first. Every
+    callback's `on_train_end` runs, except `BackupAndRestore`'s: it
     deletes its backup when training *finished*, and an interrupted run must
     keep it so that the next `fit` resumes, as after a crash.
     """
+    for callback in callback_list.callbacks:
+        on_interrupt = getattr(callback, "on_interrupt", None)
+        if on_interrupt is not None:  # keras_multigpu.callbacks.Checkpoint saves here
+            on_interrupt()
     for callback in callback_list.callbacks:
         if isinstance(callback, keras.callbacks.BackupAndRestore):
             continue

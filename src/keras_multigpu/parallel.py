@@ -122,6 +122,7 @@ class ParallelModel(keras.Model):
         self._distribution = distribution
         self._synced_compile = None
         self._active = 0  # calls under way (`_placed`)
+        self._fit_dataset = None  # the padded training data of the `fit` under way
         if template.built:
             self.built = True
         self._sync_compile()
@@ -350,18 +351,28 @@ class ParallelModel(keras.Model):
                 epochs=epochs, steps=steps_per_epoch or getattr(data, "num_batches", None),
                 model=self,
             )
+        self._fit_dataset = dataset
+        calls = _resumed_calls(callbacks, dataset, initial_epoch, epochs, steps_per_epoch)
         try:
             with interrupt.deferred(), self._placed():
-                return super().fit(
-                    data, epochs=epochs, verbose=verbose, callbacks=callbacks,
-                    validation_data=validation_data, shuffle=False,
-                    initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
-                    validation_steps=validation_steps, validation_freq=validation_freq,
-                )
+                for first, last, (start, stop) in _ends(calls):
+                    with _only_ends(callbacks, first, last):
+                        self._initial_epoch = None
+                        history = super().fit(
+                            data, epochs=stop, verbose=verbose, callbacks=callbacks,
+                            validation_data=validation_data, shuffle=False,
+                            initial_epoch=start, steps_per_epoch=steps_per_epoch,
+                            validation_steps=validation_steps, validation_freq=validation_freq,
+                        )
+                    dataset.skip = 0  # a resumed epoch is done: the next are whole
+                    if self.stop_training:
+                        break
+                return history
         except interrupt.Interrupted:
             interrupt.end_training(callbacks)
             raise
         finally:
+            self._fit_dataset = None
             if rng is not None:
                 rng.commit()
             _close(dataset)
@@ -483,6 +494,50 @@ class ParallelModel(keras.Model):
     @property
     def outputs(self):
         return self.template.outputs
+
+
+def _resumed_calls(callbacks, dataset, initial_epoch, epochs, steps_per_epoch):
+    """The `(initial_epoch, epochs)` of each Keras `fit` call this `fit` makes.
+
+    One, unless a `callbacks.Checkpoint` resumes in the middle of an epoch:
+    then the rest of that epoch is a call of its own, whose data has that
+    many batches, so that Keras ends it as it ends any epoch (a trainer draws
+    from its generators at epoch ends), and the epochs after it are another.
+    """
+    from keras_multigpu.callbacks import Checkpoint
+
+    whole = [(initial_epoch, epochs)]
+    listed = callbacks.callbacks if isinstance(callbacks, keras.callbacks.CallbackList) else (
+        callbacks or [])
+    checkpoint = next((c for c in listed if isinstance(c, Checkpoint)), None)
+    if checkpoint is None or steps_per_epoch is not None or dataset is None:
+        return whole
+    point = checkpoint.resume_point()
+    if point is None:
+        return whole
+    epoch, step = point
+    if not 0 < step < dataset.num_batches or epoch >= epochs or not dataset.resumable:
+        return whole  # an epoch's end: the next starts afresh
+    dataset.skip = step  # Keras reads the epoch's length as the call starts
+    return [(epoch, epoch + 1)] + ([(epoch + 1, epochs)] if epoch + 1 < epochs else [])
+
+
+def _ends(calls):
+    return [(i == 0, i == len(calls) - 1, call) for i, call in enumerate(calls)]
+
+
+@contextlib.contextmanager
+def _only_ends(callbacks, first, last):
+    """Within one `fit` made of several Keras calls, the training starts once and ends once."""
+    silenced = [name for name, keep in (("on_train_begin", first), ("on_train_end", last))
+                if not keep]
+    for name in silenced:
+        setattr(callbacks, name, lambda logs=None: None)
+    try:
+        yield
+    finally:
+        for name in silenced:
+            delattr(callbacks, name)
 
 
 # Callbacks that write files of their own: with several processes, only the first runs them.

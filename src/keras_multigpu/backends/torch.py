@@ -350,6 +350,9 @@ def array_order(num_samples, batch_size, shuffle):
             order = np.split(flat.cpu().numpy(), np.cumsum([len(b) for b in order])[:-1])
         yield from order
 
+    # What a pass draws from, for an exact resume (`callbacks.Checkpoint`).
+    new_pass.get_state = lambda: torch.get_rng_state().tolist()
+    new_pass.set_state = lambda state: torch.set_rng_state(torch.tensor(state, dtype=torch.uint8))
     return new_pass
 
 
