@@ -416,13 +416,54 @@ def cmd_launch(args):
     if keras_multigpu._GIVEN_BACKEND is None:
         base.pop("KERAS_BACKEND", None)  # as the user had it: Keras's config decides
     try:
+        nnodes, node_rank, address, port, node_hosts = _nodes(args, launch)
+        backend = (keras_multigpu._GIVEN_BACKEND or "").strip() or None
         return launch.launch(
-            args.nproc or _default_processes(), command, address=args.master_addr,
-            port=args.master_port, quiet_ranks=args.quiet_ranks, timeout=args.timeout,
-            base_env=base,
+            args.nproc or _default_processes(), command, address=address, port=port,
+            quiet_ranks=args.quiet_ranks, timeout=args.timeout, base_env=base,
+            nnodes=nnodes, node_rank=node_rank, max_restarts=args.max_restarts,
+            node_hosts=node_hosts, tf_config=backend == "tensorflow",
         )
     except launch.LaunchError as error:
         raise UsageError(str(error)) from None
+
+
+def _nodes(args, launch):
+    """`(nnodes, node_rank, master address, master port, node hosts)`: the flags, else SLURM's
+    variables, else torchrun's (`NNODES`, `NODE_RANK`, `MASTER_ADDR`, `MASTER_PORT`)."""
+    slurm = launch.from_slurm(os.environ) if args.nnodes is None else None
+    env = os.environ
+    if slurm is not None:
+        nnodes, node_rank, address, node_hosts = slurm
+    else:
+        nnodes = args.nnodes if args.nnodes is not None else _env_int("NNODES", 1)
+        node_rank = _env_int("NODE_RANK", 0)
+        address, node_hosts = None, None
+    if args.node_rank is not None:
+        node_rank = args.node_rank
+    address = args.master_addr or address or env.get("MASTER_ADDR") or "127.0.0.1"
+    port = args.master_port if args.master_port is not None else (
+        _env_int("MASTER_PORT", None) if env.get("MASTER_PORT") else None)
+    if args.hosts:
+        node_hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
+    if nnodes > 1 and node_rank > 0 and address in launch.LOOPBACK and slurm is None and not (
+            args.master_addr):
+        raise launch.LaunchError(
+            f"--node-rank {node_rank} of --nnodes {nnodes} needs --master-addr: the address "
+            "of node 0, where rank 0 listens (pass 127.0.0.1 explicitly when every node is "
+            "this machine)."
+        )
+    return nnodes, node_rank, address, port, node_hosts
+
+
+def _env_int(name, default):
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise UsageError(f"{name} must be an integer. Received: {name}={raw!r}.") from None
 
 
 def build_parser():
@@ -516,10 +557,25 @@ def build_parser():
                         default=None,
                         help="processes to start (default: one per GPU; on a CPU-only machine "
                              "KERAS_MULTIGPU_CPU_DEVICES, else 1)")
-    launch.add_argument("--master-addr", default="127.0.0.1",
-                        help="address the processes meet at")
+    launch.add_argument("--nnodes", type=_positive_int, default=None,
+                        help="machines taking part, one launcher on each (default: SLURM's "
+                             "SLURM_NNODES, else NNODES, else 1)")
+    launch.add_argument("--node-rank", type=_count, default=None,
+                        help="this machine's index, 0 .. nnodes-1 (default: SLURM_NODEID, "
+                             "else NODE_RANK, else 0)")
+    launch.add_argument("--master-addr", default=None,
+                        help="address of node 0, where the processes meet (default: the "
+                             "first SLURM node, else MASTER_ADDR, else 127.0.0.1)")
     launch.add_argument("--master-port", type=_port, default=None,
-                        help="port they meet at (default: a free one)")
+                        help="port they meet at (default: MASTER_PORT; else a free one on "
+                             "one machine, 29500 across several)")
+    launch.add_argument("--hosts", default=None,
+                        help="every node's address, comma-separated in node-rank order (for "
+                             "TensorFlow's workers; SLURM gives them)")
+    launch.add_argument("--max-restarts", type=_count, default=0,
+                        help="start the processes again after a failure, up to this many "
+                             "times (a script with keras_multigpu.callbacks.Checkpoint "
+                             "resumes from its last checkpoint)")
     launch.add_argument("--quiet-ranks", action="store_true",
                         help="show rank 0's output only (default: every rank's, prefixed)")
     launch.add_argument("--timeout", type=_positive_float, default=None,

@@ -1,16 +1,26 @@
 """`keras-multigpu launch -n N script.py args...`: one process per device, as torchrun starts them.
 
 Each process gets torchrun's variables (`MASTER_ADDR`, `MASTER_PORT`, `RANK`,
-`WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`), so a script written for
-torchrun runs unchanged, and the torch engine joins the others through them.
-The launcher:
+`WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `GROUP_RANK`, ...), so a
+script written for torchrun runs unchanged, and the engines join the others
+through them (torch.distributed; jax.distributed; TensorFlow's
+MultiWorkerMirroredStrategy through `TF_CONFIG`, which is set for it). The
+launcher:
 
+- starts `-n` processes on this machine, as node `node_rank` of `nnodes`
+  (one launcher per machine, all given the same `--master-addr` and
+  `--master-port`; under SLURM, those come from its variables);
 - prefixes every line a process prints with its rank (`quiet_ranks`: only
   rank 0's lines are shown; the others' are kept for error reports);
 - forwards Ctrl-C (SIGINT) and SIGTERM to every process; a second Ctrl-C
   kills them;
 - when a process fails, stops the others (SIGTERM, then SIGKILL after
-  `grace` seconds) and exits non-zero, naming the rank and its last lines.
+  `grace` seconds) and exits non-zero, naming the rank and its last lines;
+  with `max_restarts`, starts the group again instead, up to that many
+  times (`KERAS_MULTIGPU_RESTART_COUNT` and torchrun's
+  `TORCHELASTIC_RESTART_COUNT` tell the processes which start it is): a
+  script with `keras_multigpu.callbacks.Checkpoint` resumes where the last
+  checkpoint left it, as torchrun's `--max-restarts` expects of a script.
 
 Processes die with the launcher too (Linux's parent-death signal), so none
 is left behind.
@@ -19,6 +29,7 @@ is left behind.
 import collections
 import contextlib
 import ctypes
+import json
 import os
 import signal
 import socket
@@ -71,22 +82,90 @@ def _describe_exit(code):
     return f"was killed by {_signal_name(code)}" if code < 0 else f"exited with status {code}"
 
 
-def child_env(rank, world, address, port, timeout=None, base=None):
+def child_env(rank, world, address, port, timeout=None, base=None, *, local_rank=None,
+              local_world=None, node_rank=0, nnodes=1, restart=0, tf_workers=None):
     """The environment of process `rank`: torchrun's variables on top of `base`."""
     env = dict(os.environ if base is None else base)
+    local_rank = rank if local_rank is None else local_rank
+    local_world = world if local_world is None else local_world
     env.update({
         "MASTER_ADDR": address, "MASTER_PORT": str(port),
         "RANK": str(rank), "WORLD_SIZE": str(world),
-        "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
-        "GROUP_RANK": "0", "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(local_world),
+        "GROUP_RANK": str(node_rank), "GROUP_WORLD_SIZE": str(nnodes),
+        "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world),
+        "KERAS_MULTIGPU_RESTART_COUNT": str(restart), "TORCHELASTIC_RESTART_COUNT": str(restart),
         "PYTHONUNBUFFERED": "1",
     })
-    if world > 1 and "OMP_NUM_THREADS" not in env:
+    if local_world > 1 and "OMP_NUM_THREADS" not in env:
         # The processes share the cores (torchrun sets 1; a share uses them all).
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world))
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // local_world))
     if timeout is not None:
         env["KERAS_MULTIGPU_TIMEOUT"] = f"{timeout:g}"
+    if tf_workers is not None:
+        env["TF_CONFIG"] = json.dumps({"cluster": {"worker": list(tf_workers)},
+                                       "task": {"type": "worker", "index": rank}})
     return env
+
+
+def first_host(nodelist):
+    """The first host of a SLURM node list: `gpu[03-05,9],cpu1` gives `gpu03`.
+
+    >>> first_host("gpu[03-05,9],cpu1"), first_host("node7"), first_host("a-[1,2]")
+    ('gpu03', 'node7', 'a-1')
+    """
+    head = nodelist.strip()
+    if "[" in head.split(",", 1)[0]:
+        prefix, rest = head.split("[", 1)
+        return prefix + rest.split("]", 1)[0].split(",")[0].split("-")[0]
+    return head.split(",", 1)[0]
+
+
+def hosts(nodelist):
+    """Every host of a SLURM node list, in order (`scontrol show hostnames`, done here).
+
+    >>> hosts("gpu[03-05,9],cpu1")
+    ['gpu03', 'gpu04', 'gpu05', 'gpu9', 'cpu1']
+    """
+    found, depth, part = [], 0, ""
+    for char in nodelist.strip() + ",":
+        depth += char == "["
+        depth -= char == "]"
+        if char == "," and depth == 0:
+            if "[" in part:
+                prefix, ranges = part.split("[", 1)
+                for item in ranges.rstrip("]").split(","):
+                    low, _, high = item.partition("-")
+                    for number in range(int(low), int(high or low) + 1):
+                        found.append(f"{prefix}{number:0{len(low)}d}")
+            elif part:
+                found.append(part)
+            part = ""
+        else:
+            part += char
+    return found
+
+
+def from_slurm(environ):
+    """`(nnodes, node_rank, master_addr, node_hosts)` from SLURM's variables, or None.
+
+    One launcher runs per node (`srun --ntasks-per-node=1 keras-multigpu launch ...`)
+    and starts that node's processes.
+    """
+    if "SLURM_JOB_ID" not in environ or "SLURM_NNODES" not in environ:
+        return None
+    nnodes = int(environ["SLURM_NNODES"])
+    tasks = int(environ.get("SLURM_NTASKS", nnodes))
+    if tasks != nnodes:
+        raise LaunchError(
+            f"SLURM started {tasks} tasks on {nnodes} node(s): run one launcher per node "
+            "(srun --ntasks-per-node=1 keras-multigpu launch -n GPUS_PER_NODE script.py), "
+            "which starts that node's processes."
+        )
+    nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST", "")
+    node_hosts = hosts(nodelist) if nodelist else None
+    node_rank = int(environ.get("SLURM_NODEID", environ.get("SLURM_PROCID", 0)))
+    return nnodes, node_rank, first_host(nodelist) if nodelist else None, node_hosts
 
 
 class _Rank:
@@ -111,19 +190,44 @@ def _pump(rank, stream, out, lock):
     stream.close()
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+DEFAULT_PORT = 29500  # torchrun's: every node must be given the same port
+
+
+def _check_int(name, value, minimum):
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise LaunchError(f"{name} must be an integer >= {minimum}. Received: {name} {value!r}.")
+
+
 def launch(nproc, command, *, address="127.0.0.1", port=None, quiet_ranks=False,
-           timeout=None, grace=GRACE_SECONDS, base_env=None, out=None, err=None):
+           timeout=None, grace=GRACE_SECONDS, base_env=None, out=None, err=None,
+           nnodes=1, node_rank=0, max_restarts=0, node_hosts=None, tf_config=False):
     """Runs `command` (`[script, args...]` or `["-m", module, args...]`) as `nproc` processes.
+
+    Args:
+        nnodes, node_rank: this machine is node `node_rank` of `nnodes`; its
+            processes are ranks `node_rank * nproc ...` of `nnodes * nproc`.
+        max_restarts: after a process fails, start the group again, up to
+            this many times.
+        node_hosts: every node's address, for `TF_CONFIG` (default: the
+            master's, when the nodes are all this machine).
+        tf_config: set `TF_CONFIG` (TensorFlow's workers) for the processes.
 
     Returns:
         The exit status: 0 when every process succeeded; the failed
-        process's status (128 + the signal when killed) after a failure;
-        130 after a Ctrl-C.
+        process's status (128 + the signal when killed) after a failure (the
+        last one, after the restarts); 130 after a Ctrl-C.
     """
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise LaunchError(f"-n must be a positive number of processes. Received: -n {nproc!r}.")
+    _check_int("--nnodes", nnodes, 1)
+    _check_int("--max-restarts", max_restarts, 0)
+    if isinstance(node_rank, bool) or not isinstance(node_rank, int) or not (
+            0 <= node_rank < nnodes):
+        raise LaunchError(f"--node-rank must be in 0..{nnodes - 1} (--nnodes {nnodes}). "
+                          f"Received: --node-rank {node_rank!r}.")
     if not command:
         raise LaunchError("No script to launch. Usage: keras-multigpu launch -n N script.py "
                           "[args...] (or -m module [args...]).")
@@ -136,14 +240,44 @@ def launch(nproc, command, *, address="127.0.0.1", port=None, quiet_ranks=False,
             f"No such script: {command[0]!r} (from {os.getcwd()}). Pass the path of a Python "
             "file, or -m and a module name."
         )
-    if port is None:
-        port = free_port(address)
-    else:
+    if nnodes > 1 and port is None:
+        port = DEFAULT_PORT
+    chosen = port
+    if port is not None and node_rank == 0 and address in LOOPBACK + (socket.gethostname(),):
         check_port(address, port)
+    workers = None
+    if tf_config and nnodes * nproc > 1:
+        if node_hosts is None and (nnodes == 1 or address in LOOPBACK):
+            node_hosts = [address] * nnodes
+        if node_hosts is None or len(node_hosts) != nnodes:
+            raise LaunchError(
+                "TensorFlow's MultiWorkerMirroredStrategy needs every worker's address: pass "
+                "--hosts with the nodes' addresses in node-rank order (SLURM gives them), or "
+                "set TF_CONFIG yourself."
+            )
+    world = nnodes * nproc
+    for restart in range(max_restarts + 1):
+        group_port = chosen if chosen is not None else free_port(address)
+        if tf_config and world > 1:
+            workers = [f"{node_hosts[g // nproc]}:{group_port + 1 + g}" for g in range(world)]
+        code, interrupted = _run_group(
+            nproc, command, address, group_port, quiet_ranks, timeout, grace, base_env, out,
+            err, nnodes, node_rank, restart, workers)
+        if code == 0 or interrupted or restart == max_restarts:
+            return code
+        err.write(f"keras-multigpu launch: restarting the {nproc} process(es) of node "
+                  f"{node_rank} (restart {restart + 1} of {max_restarts}).\n")
+        err.flush()
+    return code
 
+
+def _run_group(nproc, command, address, port, quiet_ranks, timeout, grace, base_env, out, err,
+               nnodes, node_rank, restart, workers):
+    """Starts one group of processes and waits for it: `(exit status, interrupted)`."""
     lock = threading.Lock()
     ranks = []
     interrupted = []
+    world = nnodes * nproc
 
     def send(sig):
         for rank in ranks:
@@ -163,15 +297,19 @@ def launch(nproc, command, *, address="127.0.0.1", port=None, quiet_ranks=False,
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             handlers[sig] = signal.signal(sig, on_signal)
-    for r in range(nproc):
+    for local in range(nproc):
         if interrupted:  # stopped while starting: start no more
             break
+        rank = node_rank * nproc + local
+        env = child_env(rank, world, address, port, timeout, base_env, local_rank=local,
+                        local_world=nproc, node_rank=node_rank, nnodes=nnodes, restart=restart,
+                        tf_workers=workers)
         process = subprocess.Popen(
-            [sys.executable, *command], env=child_env(r, nproc, address, port, timeout, base_env),
+            [sys.executable, *command], env=env,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
             start_new_session=True, preexec_fn=_prepare_child,
         )
-        ranks.append(_Rank(r, process, show=not quiet_ranks or r == 0))
+        ranks.append(_Rank(rank, process, show=not quiet_ranks or rank == 0))
     for rank in ranks:
         for stream, sink in ((rank.process.stdout, out), (rank.process.stderr, err)):
             reader = threading.Thread(target=_pump, args=(rank, stream, sink, lock), daemon=True)
@@ -207,21 +345,21 @@ def launch(nproc, command, *, address="127.0.0.1", port=None, quiet_ranks=False,
     if interrupted:
         with lock:
             err.write(f"keras-multigpu launch: stopped by {signal.Signals(interrupted[0]).name}; "
-                      f"{nproc} process(es) ended.\n")
-        return 130
+                      f"{len(ranks)} process(es) ended.\n")
+        return 130, True
     if failed is None:
-        return 0
+        return 0, False
     code = failed.process.returncode
     lines = "\n".join(f"    {line}" for line in failed.tail) or "    (it printed nothing)"
     others = [r.rank for r in ranks if r is not failed]
     with lock:
         err.write(
-            f"keras-multigpu launch: rank {failed.rank} of {nproc} {_describe_exit(code)}. "
+            f"keras-multigpu launch: rank {failed.rank} of {world} {_describe_exit(code)}. "
             f"Its last lines:\n{lines}\n"
             + (f"keras-multigpu launch: stopped the other rank(s) {others}.\n" if others else "")
         )
         err.flush()
-    return code if code > 0 else 128 - code
+    return (code if code > 0 else 128 - code), False
 
 
 # What a process prints when it fails because another one did.
