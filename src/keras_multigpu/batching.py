@@ -584,7 +584,8 @@ class WrappedPyDataset(PaddedBatches):
     def resume(self, state, skip):
         self.skip = int(skip)
         self.order = None
-        self._expected = state.get("order")
+        order = state.get("order")
+        self._expected = None if order is None else [int(np.ravel(b)[0]) for b in order]
         generators = state.get("generators")
         if self.skip:
             self._resume_generators = generators  # restored as the pass draws (see ArrayBatches)

@@ -316,7 +316,7 @@ class Checkpoint(keras.callbacks.Callback):
         }
         arrays = {}
         if order:
-            batches = [np.asarray(b, "int64") for b in order]
+            batches = [np.atleast_1d(np.asarray(b, "int64")) for b in order]
             arrays["order"] = np.concatenate(batches)
             arrays["order_lengths"] = np.asarray([len(b) for b in batches], "int64")
         for i, generator in enumerate(_seed_generators(model.template)):

@@ -446,6 +446,9 @@ def _nodes(args, launch):
         _env_int("MASTER_PORT", None) if env.get("MASTER_PORT") else None)
     if args.hosts:
         node_hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
+    if not 0 <= node_rank < nnodes:
+        raise launch.LaunchError(f"--node-rank must be in 0..{nnodes - 1} (--nnodes {nnodes}). "
+                                 f"Received: --node-rank {node_rank}.")
     if nnodes > 1 and node_rank > 0 and address in launch.LOOPBACK and slurm is None and not (
             args.master_addr):
         raise launch.LaunchError(

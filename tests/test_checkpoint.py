@@ -1,0 +1,303 @@
+"""`keras_multigpu.callbacks.Checkpoint`: exact resume, on every engine, and bad checkpoints.
+
+The resume tests run real processes, as a user's would: a run killed in the
+middle of its second epoch (or stopped there by a real Ctrl-C) is started
+again with the same program and must end with the weights, and the logs, of
+a run that was never interrupted.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+import keras_multigpu as kmg
+from keras_multigpu.callbacks import Checkpoint, CheckpointError
+
+# argv: checkpoint folder, output file, then "die" (os._exit in the middle of epoch 2),
+# "ctrl-c" (a SIGINT there) or nothing. Dropout, BatchNorm, shuffling, a decaying learning
+# rate and Adam: every piece of state a resume must restore.
+PROGRAM = """
+import json, os, signal, sys
+import keras, numpy as np
+import keras_multigpu as kmg
+from keras_multigpu.callbacks import Checkpoint
+
+folder, out = sys.argv[1], sys.argv[2]
+fault = sys.argv[3] if len(sys.argv) > 3 else ""
+keras.utils.set_random_seed(7)
+rng = np.random.RandomState(0)
+x = rng.rand(99, 6).astype("float32")
+y = (x.sum(1, keepdims=True) > 3).astype("float32")
+model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="relu"),
+                          keras.layers.BatchNormalization(), keras.layers.Dropout(0.3),
+                          keras.layers.Dense(1, activation="sigmoid")])
+parallel = kmg.multi_gpu_model(model, gpus=int(os.environ.get("GPUS", "2")))
+schedule = keras.optimizers.schedules.ExponentialDecay(0.05, 5, 0.7)
+parallel.compile(optimizer=keras.optimizers.Adam(schedule), loss="binary_crossentropy",
+                 metrics=["accuracy"])
+
+
+class Fault(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.epoch == 1 and batch == 2 and os.environ.get("RANK", "0") == "0":
+            if fault == "die":
+                os._exit(17)
+            if fault == "ctrl-c":
+                os.kill(os.getpid(), signal.SIGINT)
+
+
+callbacks = [Checkpoint(folder, every_steps=2, keep=2), Fault()]
+history = parallel.fit(x, y, batch_size=25, epochs=4, callbacks=callbacks, verbose=0)
+if os.environ.get("RANK", "0") == "0":
+    np.savez(out, *model.get_weights())
+    with open(out + ".json", "w") as f:
+        json.dump({k: [float(v) for v in vs] for k, vs in history.history.items()}, f)
+"""
+
+ENGINES = {
+    # backend: (launcher prefix, environment)
+    "jax": ([], {"KERAS_MULTIGPU_CPU_DEVICES": "2"}),
+    "tensorflow": ([], {"KERAS_MULTIGPU_CPU_DEVICES": "2"}),
+    "torch": (["-m", "keras_multigpu.cli", "launch", "-n", "2", "--quiet-ranks"], {}),
+}
+
+
+def _env(backend, extra):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("XLA_FLAGS", "KERAS_MULTIGPU_CPU_DEVICES", "RANK", "WORLD_SIZE",
+                        "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(extra, KERAS_BACKEND=backend)
+    return env
+
+
+def _run(tmp_path, backend, folder, out, fault=""):
+    prefix, extra = ENGINES[backend]
+    script = tmp_path / "program.py"
+    script.write_text(PROGRAM)
+    args = [sys.executable, *prefix, str(script), str(folder), str(out)] + (
+        [fault] if fault else [])
+    # SIGINT at its default: a test run started in the background ignores it.
+    return subprocess.run(args, cwd=tmp_path, env=_env(backend, extra), capture_output=True,
+                          text=True, timeout=400, check=False, preexec_fn=_sigint_default)
+
+
+def _sigint_default():
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _weights(path):
+    with np.load(path) as loaded:
+        return [loaded[k] for k in loaded.files]
+
+
+def _stopped_and_resumed(tmp_path, backend, fault):
+    """The uninterrupted run, the stopped one and its resumption; their weights and logs."""
+    if backend == "torch":
+        pytest.importorskip("torch")
+    whole = _run(tmp_path, backend, tmp_path / "whole", tmp_path / "whole.npz")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+
+    stopped = _run(tmp_path, backend, tmp_path / "ckpt", tmp_path / "stopped.npz", fault)
+    if fault == "die":
+        assert stopped.returncode != 0, stopped.stderr[-3000:]
+        # every 2 steps of 4 per epoch, the last before step 3 of epoch 2: global step 6
+        assert sorted(os.listdir(tmp_path / "ckpt")) == ["ckpt-000000004", "ckpt-000000006"]
+    else:
+        assert stopped.returncode != 0
+        assert "Stopped by Ctrl-C at a step boundary" in stopped.stderr, stopped.stderr[-3000:]
+        # the Ctrl-C's checkpoint, at the step boundary after it (epoch 2, 3 steps done)
+        assert sorted(os.listdir(tmp_path / "ckpt"))[-1] == "ckpt-000000007"
+    assert not (tmp_path / "stopped.npz").exists()
+
+    resumed = _run(tmp_path, backend, tmp_path / "ckpt", tmp_path / "resumed.npz")
+    return resumed
+
+
+@pytest.mark.parametrize("backend", ["jax", "tensorflow", "torch"])
+def test_a_run_killed_mid_epoch_resumes_to_the_uninterrupted_weights(tmp_path, backend):
+    _check_resumed(tmp_path, backend, _stopped_and_resumed(tmp_path, backend, "die"))
+
+
+def test_a_ctrl_c_checkpoints_at_the_step_boundary_and_resumes_exactly(tmp_path):
+    """A real SIGINT through the interrupt handler (the engine-independent path: JAX)."""
+    _check_resumed(tmp_path, "jax", _stopped_and_resumed(tmp_path, "jax", "ctrl-c"))
+
+
+def _check_resumed(tmp_path, backend, resumed):
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "Checkpoint: resuming from" in resumed.stdout + resumed.stderr
+    for a, b in zip(_weights(tmp_path / "whole.npz"), _weights(tmp_path / "resumed.npz")):
+        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)
+    whole_logs = json.loads((tmp_path / "whole.npz.json").read_text())
+    resumed_logs = json.loads((tmp_path / "resumed.npz.json").read_text())
+    # The resumed fit logs the epochs it ran: the interrupted one and those after it. With
+    # several processes (torch) each holds its part of an epoch's metrics, and the resumed
+    # epoch's logs cover its remaining steps (documented): the epochs after it are exact.
+    first = 1 if backend == "torch" else 0
+    for key, values in whole_logs.items():
+        np.testing.assert_allclose(resumed_logs[key][first:], values[1 + first:], rtol=1e-6,
+                                   err_msg=key)
+
+
+# -- in this process (JAX or whichever backend runs the suite) -------------------------
+
+
+def _model():
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
+                              keras.layers.Dense(1)])
+    parallel = kmg.multi_gpu_model(model, gpus=1)
+    parallel.compile(optimizer="adam", loss="mse")
+    return model, parallel
+
+
+DATA = (np.random.RandomState(0).rand(40, 4).astype("float32"),
+        np.random.RandomState(1).rand(40, 1).astype("float32"))
+
+
+def test_keeps_the_newest_and_writes_each_whole(tmp_path):
+    _, parallel = _model()
+    parallel.fit(*DATA, batch_size=8, epochs=3, verbose=0,
+                 callbacks=[Checkpoint(tmp_path, every_steps=2, keep=3)])
+    names = sorted(os.listdir(tmp_path))
+    assert names == ["ckpt-000000012", "ckpt-000000014", "ckpt-000000015"]
+    for name in names:
+        assert sorted(os.listdir(tmp_path / name)) == ["arrays.npz", "model.keras",
+                                                       "state.json"]
+        state, _ = Checkpoint.read(str(tmp_path / name))
+        assert state["global_step"] == int(name[len("ckpt-"):])
+    state, _ = Checkpoint.read(str(tmp_path / "ckpt-000000014"))
+    assert (state["epoch"], state["step"], state["num_batches"]) == (2, 4, 5)
+    # a plain Keras file: the model and its optimizer, loadable without this library
+    loaded = keras.saving.load_model(tmp_path / "ckpt-000000015" / "model.keras")
+    assert int(loaded.optimizer.iterations.numpy()) == 15
+
+
+def test_a_damaged_checkpoint_is_named_and_the_one_before_is_used(tmp_path):
+    model, parallel = _model()
+    parallel.fit(*DATA, batch_size=8, epochs=2, verbose=0,
+                 callbacks=[Checkpoint(tmp_path, keep=5)])
+    newest = tmp_path / "ckpt-000000010" / "model.keras"
+    newest.write_bytes(newest.read_bytes()[:300])  # truncated, as by a full disk
+    checkpoint = Checkpoint(tmp_path, keep=5)
+    with pytest.warns(UserWarning, match="ckpt-000000010 cannot be read"):
+        parallel.fit(*DATA, batch_size=8, epochs=2, verbose=0, callbacks=[checkpoint])
+    assert checkpoint.resumed_from == str(tmp_path / "ckpt-000000005")
+
+
+def test_only_damaged_checkpoints_stop_fit_with_their_names(tmp_path):
+    _, parallel = _model()
+    parallel.fit(*DATA, batch_size=8, epochs=1, verbose=0, callbacks=[Checkpoint(tmp_path)])
+    (tmp_path / "ckpt-000000005" / "state.json").write_text("{not json")
+    with pytest.warns(UserWarning, match="ckpt-000000005 cannot be read"), pytest.raises(
+            CheckpointError, match="No checkpoint in .* can be read"):
+        parallel.fit(*DATA, batch_size=8, epochs=2, verbose=0, callbacks=[Checkpoint(tmp_path)])
+
+
+def test_a_half_written_checkpoint_is_never_read_and_is_cleaned_up(tmp_path):
+    _, parallel = _model()
+    parallel.fit(*DATA, batch_size=8, epochs=1, verbose=0, callbacks=[Checkpoint(tmp_path)])
+    # What a SIGKILL in the middle of a save leaves: a hidden folder of a dead process.
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    leftover = tmp_path / f".ckpt-000000007.tmp-{dead}"
+    leftover.mkdir()
+    (leftover / "model.keras").write_bytes(b"PK\x03\x04 half")
+    checkpoint = Checkpoint(tmp_path)
+    parallel.fit(*DATA, batch_size=8, epochs=2, verbose=0, callbacks=[checkpoint])
+    assert checkpoint.resumed_from == str(tmp_path / "ckpt-000000005")
+    assert not leftover.exists()
+
+
+def test_a_checkpoint_of_other_data_is_refused(tmp_path):
+    _, parallel = _model()
+    parallel.fit(*DATA, batch_size=8, epochs=1, verbose=0, callbacks=[Checkpoint(tmp_path)])
+    with pytest.raises(CheckpointError, match="5 steps per epoch; this fit has 3"):
+        parallel.fit(*DATA, batch_size=16, epochs=2, verbose=0,
+                     callbacks=[Checkpoint(tmp_path)])
+
+
+def test_bad_arguments_and_inputs_are_refused_clearly(tmp_path):
+    with pytest.raises(ValueError, match="every_steps must be an int >= 1 or None"):
+        Checkpoint(tmp_path, every_steps=0)
+    with pytest.raises(ValueError, match="keep must be an int >= 1"):
+        Checkpoint(tmp_path, keep="3")
+    model, parallel = _model()
+    with pytest.raises(TypeError, match="Checkpoint needs a ParallelModel"):
+        model.fit(*DATA, epochs=1, verbose=0, callbacks=[Checkpoint(tmp_path)])
+
+    def batches():
+        while True:
+            yield DATA[0][:8], DATA[1][:8]
+
+    with pytest.raises(ValueError, match="cannot resume there"):
+        parallel.fit(batches(), steps_per_epoch=2, epochs=1, verbose=0,
+                     callbacks=[Checkpoint(tmp_path, every_steps=1)])
+
+
+def test_a_folder_that_cannot_be_written_fails_at_the_start(tmp_path):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("a file where the folder should go")
+    _, parallel = _model()
+    with pytest.raises(OSError, match="Checkpoint cannot write to .*a-file/ckpt"):
+        parallel.fit(*DATA, batch_size=8, epochs=1, verbose=0,
+                     callbacks=[Checkpoint(blocked / "ckpt")])
+    assert int(parallel.optimizer.iterations.numpy()) == 0  # refused before any step
+
+
+def test_resume_false_starts_afresh(tmp_path):
+    _, parallel = _model()
+    parallel.fit(*DATA, batch_size=8, epochs=1, verbose=0, callbacks=[Checkpoint(tmp_path)])
+    checkpoint = Checkpoint(tmp_path, resume=False)
+    history = parallel.fit(*DATA, batch_size=8, epochs=1, verbose=0, callbacks=[checkpoint])
+    assert checkpoint.resumed_from is None and len(history.history["loss"]) == 1
+
+
+def test_a_pydataset_resumes_mid_epoch(tmp_path):
+    """A PyDataset's batch order is drawn from Python's generator: restored too."""
+
+    class Batches(keras.utils.PyDataset):
+        def __len__(self):
+            return 5
+
+        def __getitem__(self, index):
+            return DATA[0][index * 8:(index + 1) * 8], DATA[1][index * 8:(index + 1) * 8]
+
+    class Stop(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if self.model.optimizer.iterations.numpy() == 7:
+                raise RuntimeError("stop here")
+
+    _, whole = _model()
+    whole.fit(Batches(), epochs=3, verbose=0, shuffle=True)
+    expected = whole.get_weights()
+
+    _, stopped = _model()
+    with pytest.raises(RuntimeError, match="stop here"):
+        stopped.fit(Batches(), epochs=3, verbose=0, shuffle=True,
+                    callbacks=[Checkpoint(tmp_path, every_steps=1), Stop()])
+    _, resumed = _model()
+    checkpoint = Checkpoint(tmp_path, every_steps=1)
+    resumed.fit(Batches(), epochs=3, verbose=0, shuffle=True, callbacks=[checkpoint])
+    assert checkpoint.resumed_from == str(tmp_path / "ckpt-000000007")
+    for a, b in zip(expected, resumed.get_weights()):
+        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)
+
+
+def test_a_finished_epoch_resumes_at_the_next(tmp_path):
+    _, parallel = _model()
+    parallel.fit(*DATA, batch_size=8, epochs=2, verbose=0, callbacks=[Checkpoint(tmp_path)])
+    again = Checkpoint(tmp_path)
+    history = parallel.fit(*DATA, batch_size=8, epochs=3, verbose=0, callbacks=[again])
+    assert again.resumed_from == str(tmp_path / "ckpt-000000010")
+    assert len(history.history["loss"]) == 1  # only the third epoch was left
+    assert int(parallel.optimizer.iterations.numpy()) == 15
