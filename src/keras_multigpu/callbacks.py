@@ -293,7 +293,7 @@ class Checkpoint(keras.callbacks.Callback):
             if _dead_leftover(name):
                 shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
-    def _state(self, epoch, step, dataset):
+    def _state(self, epoch, step, dataset, metrics=None):
         model = self._parallel()
         position = dataset.position() if dataset is not None else None
         now = dataset._generators() if hasattr(dataset, "_generators") else None
@@ -324,12 +324,8 @@ class Checkpoint(keras.callbacks.Callback):
         global_generator = _global_seed_generator()
         if global_generator is not None:
             arrays["seed_global"] = _numpy(global_generator.state)
-        if step and model._backend.process_count() == 1:
-            # The epoch's metrics so far, for its logs after a resume. (With several
-            # processes each holds its own part of them: the resumed epoch's logs then
-            # cover its remaining steps.)
-            for i, variable in enumerate(model.metrics_variables):
-                arrays[f"metric_{i}"] = _numpy(variable)
+        for i, value in enumerate(metrics or ()):
+            arrays[f"metric_{i}"] = value
         return state, arrays
 
     def save(self, epoch, step):
@@ -350,9 +346,13 @@ class Checkpoint(keras.callbacks.Callback):
         # Every process calls save (the engines write on the first and wait for it).
         model.template.save(os.path.join(tmp, "model.keras"))
         self._last_saved = self._global
+        # The epoch's metrics so far, for its logs after a resume: one device's state (with
+        # several processes, each holds a part; every process joins in gathering them).
+        whole = self._whole()
+        metrics = _metric_state(model) if whole is not None and 0 < step < whole else None
         if not writer:
             return
-        state, arrays = self._state(epoch, step, model._fit_dataset)
+        state, arrays = self._state(epoch, step, model._fit_dataset, metrics)
         with open(os.path.join(tmp, "state.json"), "w") as f:
             json.dump(state, f)
         np.savez(os.path.join(tmp, "arrays.npz"), **arrays)
@@ -473,11 +473,20 @@ class Checkpoint(keras.callbacks.Callback):
         self._epoch_start_global = self._global - self._in_epoch
         if self._pending_metrics is not None and epoch == self._resumed_epoch:
             variables = self.model.metrics_variables
-            for i, value in self._pending_metrics.items():
-                if i < len(variables):
-                    variables[i].assign(value)
-            self.model._replicate_state()
+            values = [self._pending_metrics.get(i) for i in range(len(variables))]
+            share = getattr(self.model._backend, "local_metric_state", None)
+            if share is not None:
+                values = share(variables, values)
+            for variable, value in zip(variables, values):
+                if value is not None:
+                    variable.assign(value)
+            if share is None:  # (an engine with shares must not make them equal again)
+                self.model._replicate_state()
         self._pending_metrics = None
+
+    def _whole(self):
+        dataset = self.model._fit_dataset
+        return None if dataset is None else dataset.num_batches + dataset.skip
 
     def on_train_batch_end(self, batch, logs=None):
         offset = self._offset if self._epoch == self._resumed_epoch else 0
@@ -502,6 +511,14 @@ class Checkpoint(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self.model._initial_epoch = None
+
+
+def _metric_state(model):
+    gather = getattr(model._backend, "global_metric_state", None)
+    variables = model.metrics_variables
+    if gather is not None:
+        return gather(variables)
+    return [_numpy(v) for v in variables]
 
 
 def _plain(value):

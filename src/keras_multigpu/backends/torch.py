@@ -637,6 +637,35 @@ def _global_result(original, self):
         return original(self)
 
 
+def global_metric_state(variables):
+    """The metrics' state over every process (their `sum` variables summed, `mean` ones
+    averaged), as one device would hold it: what a checkpoint keeps (every process calls it).
+    """
+    values = [np.asarray(v.numpy()) for v in variables]
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return values
+    summed = [i for i, v in enumerate(variables)
+              if getattr(v, "aggregation", None) in ("sum", "mean")]
+    if summed:
+        reduced = _flat_all_reduce([torch.as_tensor(values[i]).to(_device()) for i in summed],
+                                   "all-reduce of the metrics for a checkpoint")
+        for i, value in zip(summed, reduced):
+            value = value.cpu().numpy()
+            values[i] = value / dist.get_world_size() if (
+                variables[i].aggregation == "mean") else value
+    return values
+
+
+def local_metric_state(variables, values):
+    """This process's part of the metrics' state `values` (one device's): the first process
+    holds the sums, the others none of them (means and the rest: every process alike)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1) or dist.get_rank() == 0:
+        return values
+    return [None if value is None else np.zeros_like(value)
+            if getattr(variable, "aggregation", None) == "sum" else value
+            for variable, value in zip(variables, values)]
+
+
 def _rules_table():
     return [
         (base_optimizer.BaseOptimizer, "apply", _apply, _weight),
