@@ -542,7 +542,7 @@ def build_parser():
                             "hosts, Horovod's published figures) and write projection.json; "
                             "runs no setups: the step is --step-ms, else ours-1's compiled "
                             f"step measured once (1 epoch of at most {PROJECT_MAX_STEPS} "
-                            "steps, then 10 steps)")
+                            "steps, then 10 steps; default: off, the full benchmark)")
     bench.add_argument("--hosts", type=_host_counts, default=[1, 2, 4, 16, 64],
                        help="host counts projected (default: 1,2,4,16,64)")
     bench.add_argument("--gpus-per-host", type=_positive_int, default=8,
