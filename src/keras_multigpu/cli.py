@@ -573,8 +573,9 @@ def build_parser():
                         help="port they meet at (default: MASTER_PORT; else a free one on "
                              "one machine, 29500 across several)")
     launch.add_argument("--hosts", default=None,
-                        help="every node's address, comma-separated in node-rank order (for "
-                             "TensorFlow's workers; SLURM gives them)")
+                        help="every node's address, comma-separated in node-rank order, for "
+                             "TensorFlow's workers (default: SLURM's node list, else the "
+                             "master's address on every node when it is 127.0.0.1)")
     launch.add_argument("--max-restarts", type=_count, default=0,
                         help="start the processes again after a failure, up to this many "
                              "times (a script with keras_multigpu.callbacks.Checkpoint "
