@@ -33,9 +33,10 @@ __all__ = [
     "Device", "ParallelModel", "list_devices", "multi_gpu_model", "schedules", "__version__",
 ]
 
-if "LOCAL_RANK" in _os.environ:
-    # Started by `keras-multigpu launch` (or torchrun): the engine picks this process's
-    # device before the user's model is built on one.
+if "LOCAL_RANK" in _os.environ or "TF_CONFIG" in _os.environ:
+    # Started by `keras-multigpu launch` (or torchrun), or as one of several TensorFlow
+    # workers: the engine picks this process's device, or joins the other workers, before
+    # the user's model is built (TensorFlow joins them only as its runtime starts).
     _backends.current()
 
 if _cpu_device_count():

@@ -107,7 +107,8 @@ class ParallelModel(keras.Model):
         template: the model passed to `multi_gpu_model`, which holds the
             weights.
         devices: the `Device` records replicas run on.
-        num_replicas: `len(devices)`.
+        num_replicas: `len(devices)`; with several TensorFlow workers (`TF_CONFIG`),
+            every worker's devices (`devices` are this worker's).
     """
 
     def __init__(self, template, devices):
@@ -128,7 +129,8 @@ class ParallelModel(keras.Model):
         self._sync_compile()
 
     devices = property(lambda self: list(self._devices))
-    num_replicas = property(lambda self: len(self._devices))
+    num_replicas = property(lambda self: getattr(self._distribution, "num_replicas",
+                                                 len(self._devices)))
 
     def __getattr__(self, name):
         # Only reached when normal lookup fails: the template's own public

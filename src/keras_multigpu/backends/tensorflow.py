@@ -33,10 +33,25 @@ call its variables are swapped for mirrored ones (same values, same
 `keras.Variable` objects), and swapped back, holding the trained values,
 when it ends: the trained model is the user's own, and trains, saves, loads
 and predicts on its own as any Keras model.
+
+Several workers (`TF_CONFIG` naming more than one, one process per host):
+the strategy is a `MultiWorkerMirroredStrategy` over this worker's devices,
+joined when the package is imported (TensorFlow fixes its collectives when
+its runtime starts) or given a clear error after KERAS_MULTIGPU_TIMEOUT
+seconds. Replica indexes and counts are global (worker-major), and every
+worker's devices get only their own contiguous runs of each global batch
+(`_MultiWorker.experimental_distribute_dataset`), so the rules above hold
+unchanged. Worker 0 alone writes Keras files, atomically, and the others
+wait for it.
 """
 
+import base64
 import contextlib
 import functools
+import json
+import os
+import pickle
+import random
 import threading
 import warnings
 
@@ -46,11 +61,18 @@ import tensorflow as tf
 from keras import tree
 from keras.src.backend.tensorflow import optimizer as tf_optimizer
 from keras.src.backend.tensorflow import random as tf_random
+from keras.src.backend.tensorflow import trainer as tf_trainer
 from keras.src.layers.normalization import batch_normalization
 from keras.src.losses import loss as loss_module
 from keras.src.metrics import reduction_metrics
 from keras.src.random import seed_generator
+from keras.src.saving import saving_api
+from tensorflow.python.distribute import collective_all_reduce_strategy as tf_collective
+from tensorflow.python.distribute import multi_worker_util
+from tensorflow.python.distribute.cluster_resolver import tfconfig_cluster_resolver
+from tensorflow.python.eager import context as tf_context
 
+from keras_multigpu._io import atomic_path
 from keras_multigpu.backends import _rules as shared
 from keras_multigpu.devices import (
     CPU_DEVICES_ENV,
@@ -71,7 +93,7 @@ def configure_cpu_devices(count):
         tf.config.set_logical_device_configuration(cpus[0], config)
         return True
     except RuntimeError:  # the runtime is initialised: the count is fixed
-        have = len(tf.config.list_logical_devices("CPU"))
+        have = len(_local(tf.config.list_logical_devices("CPU")))
         if have != count:
             warnings.warn(
                 f"TensorFlow had already started with {have} CPU device(s), so {count} could "
@@ -82,11 +104,21 @@ def configure_cpu_devices(count):
         return have == count
 
 
+def _local(devices):
+    """This worker's devices among `devices` (with several workers, TensorFlow lists all)."""
+    if _workers is None:
+        return devices
+    here = (_workers.task_type, _workers.task_id)
+    return [d for d in devices
+            if (tf.DeviceSpec.from_string(d.name).job, tf.DeviceSpec.from_string(d.name).task)
+            == here]
+
+
 def list_devices():
-    gpus = tf.config.list_logical_devices("GPU")
+    gpus = _local(tf.config.list_logical_devices("GPU"))
     if gpus:
         return [Device(i, "gpu", "GPU") for i in range(len(gpus))]
-    cpus = tf.config.list_logical_devices("CPU")
+    cpus = _local(tf.config.list_logical_devices("CPU"))
     wanted = cpu_device_count()
     if wanted and wanted != len(cpus):
         raise RuntimeError(
@@ -117,18 +149,20 @@ def _strategy(names):
 
 
 class Engine:
-    """A MirroredStrategy over `devices`."""
+    """A MirroredStrategy over `devices` (with several workers, a MultiWorkerMirroredStrategy
+    over every worker's: `num_replicas` counts them all)."""
 
-    def __init__(self, devices):
+    def __init__(self, devices, strategy=None):
         self.devices = tuple(devices)
-        self.strategy = _strategy(tuple(f"/device:{d.kind.upper()}:{d.id}" for d in devices))
+        self.strategy = strategy or _strategy(tuple(f"/device:{d.kind.upper()}:{d.id}"
+                                                    for d in devices))
+        self.num_replicas = self.strategy.num_replicas_in_sync
 
     def scope(self):
         return scope(self)
 
 
 def make_distribution(devices):
-    refuse_several_processes("TensorFlow")
     if tf.distribute.has_strategy():
         owner = type(tf.distribute.get_strategy()).__name__
         raise RuntimeError(
@@ -136,7 +170,12 @@ def make_distribution(devices):
             "own tf.distribute strategy: build the model and call multi_gpu_model outside any "
             "strategy.scope()."
         )
-    return Engine(devices)
+    if _late is not None:
+        raise _late
+    if _workers is None:
+        refuse_several_processes("TensorFlow")
+        return Engine(devices)
+    return _workers.distribution(devices)
 
 
 def check_model(model):
@@ -310,10 +349,23 @@ def array_order(num_samples, batch_size, shuffle):
     if shuffle == "batch":
         batches = batches.map(tf.random.shuffle)
 
+    started = [0]
+
     def new_pass():
+        started[0] += 1
         for indices in batches:
             yield indices.numpy()
 
+    # For an exact resume (`callbacks.Checkpoint`): the pipeline's draws are not
+    # state that can be read, but under a seed they are the same in every run,
+    # so its state is the number of passes drawn, and restoring it draws as many.
+    def set_state(passes):
+        while started[0] < passes:
+            for _ in new_pass():
+                pass
+
+    new_pass.get_state = lambda: started[0]
+    new_pass.set_state = set_state
     return new_pass
 
 
@@ -430,11 +482,11 @@ def batch_spec(iterator):
 
 
 def process_index():
-    return 0
+    return 0 if _workers is None else _workers.index
 
 
 def process_count():
-    return 1
+    return 1 if _workers is None else _workers.count
 
 
 # -- the rules, in force inside `scope` ---------------------------------
@@ -709,6 +761,38 @@ def _global_result(original, self):
         return original(self)
 
 
+def _reduce_per_replica(original, values, strategy, reduction):
+    """Keras's reduction of a step's outputs, with several workers.
+
+    Keras's own (`trainer.reduce_per_replica`) reduces a "mean" with
+    `strategy.reduce("MEAN", v, axis=0)`, which fails on the scalar logs of
+    every step ("Invalid reduction dimension 0 for input with 0 dimensions",
+    tensorflow#72388), and orders a "concat" (predict) as TensorFlow's own
+    dataset split deals the rows. Here the mean is over replicas (as Keras's
+    one-worker mean), and the concat is in replica order: the replicas hold
+    contiguous runs (`_MultiWorker`).
+    """
+    if not tf_trainer._collective_all_reduce_multi_worker(strategy):
+        return original(values, strategy, reduction)
+    if reduction == "auto":
+        reduction = "mean"
+
+    def reduce(value):
+        if reduction == "concat":
+            return strategy.gather(value, axis=0)
+        if reduction in ("mean", "sum"):
+            return strategy.reduce(reduction.upper(), value, axis=None)
+        if reduction == "first":
+            return strategy.experimental_local_results(value)[0]
+        return original(value, strategy, reduction)
+
+    return tree.map_structure(reduce, values)
+
+
+def _several_workers():
+    return _workers
+
+
 def _rules_table():
     return [
         (tf_optimizer.TFOptimizer, "apply", _apply),
@@ -727,6 +811,11 @@ def _rules_table():
     ]
 
 
+def _process_rules_table():
+    """Rules that act outside the replicas, with several workers only."""
+    return [(tf_trainer, "reduce_per_replica", _reduce_per_replica, _several_workers)]
+
+
 _installed = threading.local()
 
 
@@ -740,8 +829,266 @@ def _rules():
     depth = getattr(_installed, "depth", 0)
     _installed.depth = depth + 1
     try:
-        with shared.installed([(*row, _weight) for row in _rules_table()] if depth == 0
-                              else []):
+        table = [(*row, _weight) for row in _rules_table()] + _process_rules_table()
+        with shared.installed(table if depth == 0 else []):
             yield
     finally:
         _installed.depth = depth
+
+
+# -- several workers (TF_CONFIG) ---------------------------------------------
+
+# Seconds a worker waits for the others (to join, at a save) before it fails.
+TIMEOUT_ENV = "KERAS_MULTIGPU_TIMEOUT"
+DEFAULT_TIMEOUT = 300
+
+
+def _timeout():
+    raw = os.environ.get(TIMEOUT_ENV, str(DEFAULT_TIMEOUT))
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = 0
+    if seconds <= 0:
+        raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds. Received: "
+                         f"{TIMEOUT_ENV}={raw!r}.")
+    return seconds
+
+
+def _worker_count(spec):
+    return sum(len(spec.as_dict().get(job, [])) for job in ("chief", "worker"))
+
+
+def _cluster():
+    """`(cluster_spec, task_type, task_id)` when TF_CONFIG names several workers, else None."""
+    raw = os.environ.get("TF_CONFIG", "")
+    if not raw.strip():
+        return None
+    try:
+        config = json.loads(raw)
+    except ValueError as error:
+        raise ValueError(
+            f"TF_CONFIG is not valid JSON ({error}). Received: TF_CONFIG={raw!r}. It should "
+            'look like {"cluster": {"worker": ["host0:port", "host1:port"]}, "task": '
+            '{"type": "worker", "index": 0}}.'
+        ) from error
+    resolver = tfconfig_cluster_resolver.TFConfigClusterResolver()
+    spec = multi_worker_util.normalize_cluster_spec(resolver.cluster_spec())
+    workers = _worker_count(spec)
+    if workers <= 1:
+        return None
+    task = config.get("task", {}) if isinstance(config, dict) else {}
+    task_type, task_id = task.get("type"), task.get("index")
+    if task_type not in ("chief", "worker") or not isinstance(task_id, int) \
+            or not 0 <= task_id < len(spec.as_dict().get(task_type, [])):
+        raise ValueError(
+            f"TF_CONFIG names {workers} workers, but its task ({task!r}) is not one of them. "
+            'Set "task": {"type": "worker", "index": i} with i this worker\'s position in '
+            '"cluster": {"worker": [...]} (0 to ' f"{workers - 1})."
+        )
+    return spec, task_type, task_id
+
+
+class _MultiWorker(tf.distribute.MultiWorkerMirroredStrategy):
+    """MultiWorkerMirroredStrategy whose replicas get contiguous runs of each global batch.
+
+    TensorFlow's own split gives replica r of worker w the part w + W * r
+    of the global batch (it splits the batch among all replicas, then deals
+    the parts to workers in turn), while replica indexes run worker by
+    worker (w * G + r). Here every worker reads the global batch and keeps
+    its own parts, in replica order, so that replica i gets part i: the
+    contiguous runs that `tag` deals and `_counts` assumes, as one worker's
+    MirroredStrategy gets them.
+    """
+
+    def experimental_distribute_dataset(self, dataset, options=None):
+        replicas = self.num_replicas_in_sync
+        local = len(self.extended.worker_devices)
+        first = self.extended._id_in_cluster * local
+
+        def parts(element):
+            def part(i):
+                def cut(a):
+                    if not isinstance(a, tf.Tensor):
+                        return a  # None travels as an empty Optional: every replica's
+                    per = tf.shape(a)[0] // replicas
+                    start = (first + tf.cast(i, "int32")) * per
+                    return a[start : start + per]
+
+                return tf.nest.map_structure(cut, element)
+
+            return tf.data.Dataset.range(local).map(part)
+
+        return self.distribute_datasets_from_function(
+            lambda context: dataset.flat_map(parts), options)
+
+
+class _Workers:
+    """This worker's place among several, and the one strategy they share."""
+
+    def __init__(self, spec, task_type, task_id, strategy):
+        self.spec, self.task_type, self.task_id = spec, task_type, task_id
+        self.strategy = strategy
+        self.index = strategy.extended._id_in_cluster
+        self.count = strategy.extended._num_workers
+        self.calls = 0  # multi_gpu_model calls: each agrees on the random state anew
+        self.saves = 0
+
+    def who(self):
+        return f"Worker {self.index} of {self.count} ({self.task_type} {self.task_id} in TF_CONFIG)"
+
+    def distribution(self, devices):
+        world = os.environ.get("WORLD_SIZE", "")
+        if world.isdigit() and int(world) != self.count:
+            raise RuntimeError(
+                f"TF_CONFIG names {self.count} workers but WORLD_SIZE={world}. Start one "
+                "process per worker in TF_CONFIG, each with the same cluster."
+            )
+        local = list_devices()
+        if list(devices) != local:
+            raise ValueError(
+                f"{self.who()}: with several workers every worker trains on all of its "
+                f"devices ({', '.join(map(str, local))}), but multi_gpu_model chose "
+                f"{', '.join(map(str, devices))}. Pass gpus=None, or limit the devices each "
+                "worker sees (CUDA_VISIBLE_DEVICES, KERAS_MULTIGPU_CPU_DEVICES)."
+            )
+        self._agree_on_random_state()
+        return Engine(devices, self.strategy)
+
+    def _agree_on_random_state(self):
+        """Every worker takes worker 0's Python, NumPy and TensorFlow random state.
+
+        Shuffling (NumPy's, Python's, TensorFlow's `tf.data` seeds) must draw the
+        same global batches on every worker, as the torch engine's ranks do.
+        """
+        self.calls += 1
+        key = f"keras_multigpu/random/{self.calls}"
+        context = tf_context.context()
+        if self.index == 0:
+            seed = context._seed
+            if seed is None:  # no global seed: every worker's op seeds would differ
+                seed = random.SystemRandom().randrange(2**31)
+                tf.random.set_seed(seed)
+            state = (random.getstate(), np.random.get_state(), seed)
+            context.set_config_key_value(key, base64.b64encode(pickle.dumps(state)).decode())
+            return
+        value = self._wait("random state from worker 0", context.get_config_key_value, key,
+                           int(_timeout() * 1000))
+        python, numpy, seed = pickle.loads(base64.b64decode(value))  # noqa: S301 (worker 0's)
+        random.setstate(python)
+        np.random.set_state(numpy)
+        if context._seed != seed:
+            tf.random.set_seed(seed)
+
+    def _wait(self, what, function, *args):
+        try:
+            return function(*args)
+        except tf.errors.OpError as error:
+            raise RuntimeError(
+                f"{self.who()}: waiting for the {what} failed: another worker did not get "
+                f"there within {TIMEOUT_ENV}={_timeout():g} s, or has stopped (see its own "
+                f"error). Every worker must run the same program. TensorFlow said: "
+                f"{error.message.splitlines()[0] if error.message else error}"
+            ) from error
+
+    def barrier(self, what):
+        self.saves += 1
+        self._wait(what, tf_context.context().wait_at_barrier,
+                   f"keras_multigpu/{self.saves}", int(_timeout() * 1000))
+
+
+def _worker_zero_writes(function):
+    """Keras's save function, run by worker 0 alone (one file, written atomically), then a
+    barrier: when it returns, every worker can read the file. Every worker must call it, as
+    an unchanged Keras script does."""
+
+    @functools.wraps(function)
+    def wrapper(model, filepath, *args, **kwargs):
+        if _workers is None:
+            return function(model, filepath, *args, **kwargs)
+        result = None
+        if _workers.index == 0:
+            path = os.fspath(filepath)
+            suffix = next((s for s in (".weights.h5", ".keras", ".h5") if path.endswith(s)), "")
+            with atomic_path(path, suffix) as tmp:
+                result = function(model, tmp, *args, **kwargs)
+        _workers.barrier("barrier after a save (every worker must call save; worker 0 writes)")
+        return result
+
+    return wrapper
+
+
+def _join(spec, task_type, task_id):
+    """Starts TensorFlow as one of the workers of `spec`, and waits for the others.
+
+    TensorFlow's coordination service registers every worker before the
+    runtime starts; the strategy's own defaults would wait an hour for a
+    missing one, so the registration is given KERAS_MULTIGPU_TIMEOUT.
+    """
+    timeout = _timeout()
+    count = cpu_device_count()
+    if count and not tf.config.list_physical_devices("GPU"):
+        configure_cpu_devices(count)
+    context = tf_context.context()
+    jobs = [job for job in ("chief", "worker") if job in spec.jobs]
+    context.configure_coordination_service(
+        service_type="standalone",
+        service_leader=multi_worker_util.coordination_leader(spec),
+        coordinated_jobs=[
+            tf_collective.coordination_config_pb2.CoordinatedJob(
+                name=job, num_tasks=spec.num_tasks(job))
+            for job in jobs
+        ],
+        cluster_register_timeout_in_ms=int(timeout * 1000),
+    )
+    # Without the barrier the first worker waits for the others without a deadline.
+    context.coordination_service.cluster_register_with_barrier = True
+    cpu = not tf.config.list_physical_devices("GPU")
+    implementation = tf.distribute.experimental.CommunicationImplementation
+    options = tf.distribute.experimental.CommunicationOptions(
+        implementation=implementation.RING if cpu else implementation.AUTO)
+    local_devices = tf_collective.CollectiveAllReduceExtended._initialize_local_devices
+
+    def every_cpu_device(self, resolver, worker_device):
+        # TensorFlow takes one CPU device per worker; here, each of its logical ones.
+        found, kind = local_devices(self, resolver, worker_device)
+        if kind == "CPU" and (count or 1) > 1:
+            found = tuple(f"{worker_device}/device:CPU:{i}" for i in range(count))
+        return found, kind
+
+    tf_collective.CollectiveAllReduceExtended._initialize_local_devices = every_cpu_device
+    try:
+        strategy = _MultiWorker(communication_options=options)
+    except tf.errors.OpError as error:
+        workers = [f"{job} {i} ({address})" for job in jobs
+                   for i, address in enumerate(spec.job_tasks(job))]
+        raise RuntimeError(
+            f"{task_type} {task_id} of the TF_CONFIG cluster [{', '.join(workers)}] could not "
+            f"join the others within {TIMEOUT_ENV}={timeout:g} s: start every worker (one "
+            "process per entry of TF_CONFIG's cluster, each with its own task index), with "
+            "the same cluster, and check that their addresses can be reached. TensorFlow "
+            f"said: {error.message.splitlines()[0] if error.message else error}"
+        ) from error
+    finally:
+        tf_collective.CollectiveAllReduceExtended._initialize_local_devices = local_devices
+    for name in ("save_model", "save_weights"):
+        setattr(saving_api, name, _worker_zero_writes(getattr(saving_api, name)))
+    return _Workers(spec, task_type, task_id, strategy)
+
+
+def _start():
+    """`(workers, late)`: the joined workers (None with one), or the error that stops
+    `make_distribution` where TensorFlow started before this module could join them."""
+    cluster = _cluster()
+    if cluster is None:
+        return None, None
+    if tf_context.context()._context_handle is not None:
+        return None, RuntimeError(
+            f"TF_CONFIG names {_worker_count(cluster[0])} workers, but TensorFlow had already "
+            "started when keras_multigpu was imported, and it joins other workers only as it "
+            "starts. Import keras_multigpu before anything runs a TensorFlow operation."
+        )
+    return _join(*cluster), None
+
+
+_workers, _late = _start()

@@ -1,0 +1,232 @@
+"""The TensorFlow engine on several workers (TF_CONFIG), one process per host.
+
+Every test runs real processes on 127.0.0.1: two workers with two virtual
+CPU devices each train the same program as one process with four devices
+and as one process with one device, and must agree with both (the second
+worker even seeded otherwise: the workers take the first's weights and
+random state). A worker whose peer never starts must fail with a clear
+message, not hang.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import keras
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.skipif(keras.backend.backend() != "tensorflow",
+                                reason="runs in the TensorFlow stream")
+
+PROGRAM = """
+import json, os, sys
+
+import numpy as np
+
+import keras_multigpu  # joins the other workers, when TF_CONFIG names several
+import keras
+from keras.src.saving import saving_lib
+
+out, shared = sys.argv[1], sys.argv[2]  # this process's folder, and every worker's
+writes = []
+save_weights_only = saving_lib.save_weights_only
+saving_lib.save_weights_only = lambda *a, **k: (writes.append(1), save_weights_only(*a, **k))
+
+# A worker other than the first may start from another state: every worker takes the
+# first's (the weights it builds, its shuffling), so all must train as the first alone.
+keras.utils.set_random_seed(int(os.environ.get("SEED", "1")))
+rng = np.random.RandomState(0)
+x = rng.normal(size=(99, 8)).astype("float32")
+y = (x[:, :1] * 0.5 - x[:, 1:2] + 0.1 * rng.normal(size=(99, 1))).astype("float32")
+model = keras.Sequential([
+    keras.Input((8,)),
+    keras.layers.Dense(16),
+    keras.layers.BatchNormalization(),
+    keras.layers.Activation("relu"),
+    keras.layers.Dense(1),
+])
+parallel = keras_multigpu.multi_gpu_model(model)
+parallel.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"])
+history = parallel.fit(x, y, batch_size=25, epochs=2, verbose=0)  # 25 % 4 != 0; shuffled
+evaluation = parallel.evaluate(x, y, batch_size=25, verbose=0)
+prediction = parallel.predict(x[:11], batch_size=25, verbose=0)
+index = parallel._backend.process_index()
+parallel.save_weights(os.path.join(shared, "model.weights.h5"))  # worker 0 writes, once
+np.savez(os.path.join(out, f"weights-{index}.npz"), *model.get_weights())
+np.save(os.path.join(out, f"prediction-{index}.npy"), prediction)
+with open(os.path.join(out, f"result-{index}.json"), "w") as f:
+    json.dump({
+        "history": history.history, "evaluation": evaluation,
+        "replicas": parallel.num_replicas, "devices": len(parallel.devices),
+        "index": index, "count": parallel._backend.process_count(), "writes": len(writes),
+        "saved": os.path.exists(os.path.join(shared, "model.weights.h5")),
+    }, f)
+"""
+
+
+def _ports(count):
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _tf_config(ports, index):
+    return json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
+                       "task": {"type": "worker", "index": index}})
+
+
+def _env(devices, **extra):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("XLA_FLAGS", "KERAS_MULTIGPU_CPU_DEVICES", "TF_CONFIG", "RANK",
+                        "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="2", **extra)
+    if devices > 1:
+        env["KERAS_MULTIGPU_CPU_DEVICES"] = str(devices)
+    return env
+
+
+def _start(script, out, devices, **env):
+    out.mkdir()
+    shared = out.parent / "shared" if "TF_CONFIG" in env else out
+    shared.mkdir(exist_ok=True)
+    return subprocess.Popen([sys.executable, str(script), str(out), str(shared)], cwd=out,
+                            env=_env(devices, **env), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(processes, timeout):
+    """Waits for every process; kills them all at the deadline."""
+    deadline = time.monotonic() + timeout
+    outputs = []
+    try:
+        for process in processes:
+            output, _ = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            outputs.append(output)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
+    return outputs
+
+
+def _result(out, index=0):
+    with open(out / f"result-{index}.json") as f:
+        result = json.load(f)
+    weights = np.load(out / f"weights-{index}.npz")
+    result["weights"] = [weights[f"arr_{i}"] for i in range(len(weights.files))]
+    result["prediction"] = np.load(out / f"prediction-{index}.npy")
+    return result
+
+
+def _assert_same(a, b, rtol=1e-5, atol=1e-6):
+    assert len(a["weights"]) == len(b["weights"])
+    for i, (u, v) in enumerate(zip(a["weights"], b["weights"])):
+        # Dense kernel and bias, BatchNormalization's gamma, beta, moving mean and
+        # moving variance, Dense kernel and bias.
+        np.testing.assert_allclose(u, v, rtol=rtol, atol=atol, err_msg=f"weight {i}")
+    for name in ("loss", "mae"):
+        np.testing.assert_allclose(a["history"][name], b["history"][name], rtol=rtol,
+                                   err_msg=name)
+    np.testing.assert_allclose(a["evaluation"], b["evaluation"], rtol=rtol)
+    np.testing.assert_allclose(a["prediction"], b["prediction"], rtol=rtol, atol=atol)
+
+
+def test_two_workers_train_as_one_process(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(PROGRAM))
+    ports = _ports(2)
+    processes = [
+        _start(script, tmp_path / "one", 1),
+        _start(script, tmp_path / "four", 4),
+        *(_start(script, tmp_path / f"worker{i}", 2, TF_CONFIG=_tf_config(ports, i),
+                 KERAS_MULTIGPU_TIMEOUT="90", SEED=str(1 + 7 * i))
+          for i in range(2)),
+    ]
+    outputs = _finish(processes, timeout=150)
+    for process, output in zip(processes, outputs):
+        assert process.returncode == 0, output[-4000:]
+    one, four = _result(tmp_path / "one"), _result(tmp_path / "four")
+    workers = [_result(tmp_path / f"worker{i}", i) for i in range(2)]
+    assert (one["replicas"], four["replicas"]) == (1, 4)
+    for i, worker in enumerate(workers):
+        assert (worker["index"], worker["count"]) == (i, 2)
+        assert (worker["replicas"], worker["devices"]) == (4, 2)
+        _assert_same(worker, four)
+        _assert_same(worker, one)
+    # Every worker ends with the same model, bit for bit.
+    for u, v in zip(workers[0]["weights"], workers[1]["weights"]):
+        np.testing.assert_array_equal(u, v)
+    # Worker 0 alone wrote the weights file; worker 1's save returned once it was there.
+    assert [w["writes"] for w in workers] == [1, 0]
+    assert [w["saved"] for w in workers] == [True, True]
+    saved = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16),
+                              keras.layers.BatchNormalization(),
+                              keras.layers.Activation("relu"), keras.layers.Dense(1)])
+    saved.load_weights(tmp_path / "shared" / "model.weights.h5")
+    for u, v in zip(saved.get_weights(), workers[0]["weights"]):
+        np.testing.assert_array_equal(u, v)
+
+
+def test_a_worker_that_never_joins_is_an_error(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(PROGRAM))
+    ports = _ports(2)
+    started = time.monotonic()
+    process = _start(script, tmp_path / "worker0", 2, TF_CONFIG=_tf_config(ports, 0),
+                     KERAS_MULTIGPU_TIMEOUT="5")
+    (output,) = _finish([process], timeout=90)
+    assert process.returncode != 0
+    assert time.monotonic() - started < 90
+    assert "could not join the others within KERAS_MULTIGPU_TIMEOUT=5 s" in output, output[-4000:]
+    assert f"worker 1 (127.0.0.1:{ports[1]})" in output
+
+
+def test_tensorflow_started_before_the_import_is_an_error(tmp_path):
+    # TensorFlow joins other workers only as its runtime starts: too late here.
+    script = tmp_path / "late.py"
+    script.write_text(textwrap.dedent("""
+        import tensorflow as tf
+        tf.constant(1.0) + 1.0
+        import keras
+        import keras_multigpu
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        keras_multigpu.multi_gpu_model(model)
+    """))
+    process = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                             text=True, timeout=90, check=False,
+                             env=_env(1, TF_CONFIG=_tf_config(_ports(2), 1)))
+    assert process.returncode != 0
+    assert "TF_CONFIG names 2 workers, but TensorFlow had already started" in process.stderr, (
+        process.stderr[-4000:])
+
+
+@pytest.mark.parametrize("value, message", [
+    ("{not json", "TF_CONFIG is not valid JSON"),
+    (json.dumps({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
+                 "task": {"type": "worker", "index": 2}}), "is not one of them"),
+])
+def test_a_bad_tf_config_is_refused(monkeypatch, value, message):
+    from keras_multigpu.backends import tensorflow as engine
+
+    monkeypatch.setenv("TF_CONFIG", value)
+    with pytest.raises(ValueError, match=message):
+        engine._cluster()
+
+
+def test_one_worker_is_one_process(monkeypatch):
+    from keras_multigpu.backends import tensorflow as engine
+
+    monkeypatch.setenv("TF_CONFIG", _tf_config([1], 0))
+    assert engine._cluster() is None
+    assert (engine.process_index(), engine.process_count()) == (0, 1)
