@@ -3,9 +3,10 @@
 # (no GPU needed), one pytest process per engine, since KERAS_BACKEND is fixed
 # per process: the whole suite on JAX (the launcher's tests start their own
 # torch processes), and meanwhile the engine contract and the real Keras
-# programs (tests/test_engines.py, tests/test_programs.py) on TensorFlow, then
-# on PyTorch (whose multi-device tests fork one gloo process per device). The
-# two streams share the cores; each one's output is printed when it ends.
+# programs (tests/test_engines.py, tests/test_programs.py) on TensorFlow (with
+# its several-worker tests, tests/test_multihost_tf.py), then on PyTorch (whose
+# multi-device tests fork one gloo process per device). The two streams share
+# the cores; each one's output is printed when it ends.
 # pytest exits non-zero when a test fails and 5 when no test ran; either fails
 # this script.
 set -euo pipefail
@@ -19,9 +20,11 @@ KERAS_BACKEND=jax .venv/bin/python -m pytest -q -p no:cacheprovider "$@" > "$log
 jax=$!
 status=0
 for backend in tensorflow torch; do
+  # TensorFlow's workers join at import, before its runtime starts: their test runs there.
+  extra=$([ "$backend" = tensorflow ] && echo tests/test_multihost_tf.py || true)
   KERAS_BACKEND=$backend .venv/bin/python -m pytest -q -p no:cacheprovider \
-      tests/test_engines.py tests/test_programs.py > "$logs/$backend" 2>&1 || status=1
-  echo "== KERAS_BACKEND=$backend: tests/test_engines.py tests/test_programs.py"
+      tests/test_engines.py tests/test_programs.py $extra > "$logs/$backend" 2>&1 || status=1
+  echo "== KERAS_BACKEND=$backend: tests/test_engines.py tests/test_programs.py $extra"
   cat "$logs/$backend"
 done
 wait "$jax" || status=1
