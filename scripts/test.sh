@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The test command: sets itself up, then runs the suite on virtual CPU devices
 # (no GPU needed), one pytest process per engine, since KERAS_BACKEND is fixed
-# per process: the whole suite on JAX (the launcher's tests start their own
-# torch processes), and meanwhile the engine contract and the real Keras
+# per process: the suite on JAX, and meanwhile the engine contract and the real Keras
 # programs (tests/test_engines.py, tests/test_programs.py) on TensorFlow (with
 # its several-worker tests, tests/test_multihost_tf.py), then on PyTorch (whose
-# multi-device tests fork one gloo process per device). The two streams share
+# multi-device tests fork one gloo process per device) with the launcher's tests
+# (tests/test_launch.py, tests/test_multihost.py). The two streams share
 # the cores; each one's output is printed when it ends.
 # pytest exits non-zero when a test fails and 5 when no test ran; either fails
 # this script.
@@ -16,18 +16,23 @@ bash scripts/setup.sh jax,test,peers
 .venv/bin/python -m pip install -q torch==2.13.0
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
-KERAS_BACKEND=jax .venv/bin/python -m pytest -q -p no:cacheprovider "$@" > "$logs/jax" 2>&1 &
+# The launcher's tests (one and several machines) start their own processes: they run in
+# the shorter stream, after torch's engine tests.
+launcher="tests/test_launch.py tests/test_multihost.py"
+KERAS_BACKEND=jax .venv/bin/python -m pytest -q -p no:cacheprovider \
+    --ignore=tests/test_launch.py --ignore=tests/test_multihost.py \
+    --ignore=tests/test_multihost_tf.py "$@" > "$logs/jax" 2>&1 &
 jax=$!
 status=0
 for backend in tensorflow torch; do
   # TensorFlow's workers join at import, before its runtime starts: their test runs there.
-  extra=$([ "$backend" = tensorflow ] && echo tests/test_multihost_tf.py || true)
+  extra=$([ "$backend" = tensorflow ] && echo tests/test_multihost_tf.py || echo "$launcher")
   KERAS_BACKEND=$backend .venv/bin/python -m pytest -q -p no:cacheprovider \
       tests/test_engines.py tests/test_programs.py $extra > "$logs/$backend" 2>&1 || status=1
   echo "== KERAS_BACKEND=$backend: tests/test_engines.py tests/test_programs.py $extra"
   cat "$logs/$backend"
 done
 wait "$jax" || status=1
-echo "== KERAS_BACKEND=jax: the whole suite"
+echo "== KERAS_BACKEND=jax: the rest of the suite"
 cat "$logs/jax"
 exit "$status"
