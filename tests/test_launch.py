@@ -296,19 +296,29 @@ def test_ctrl_c_reaches_every_rank(tmp_path):
     assert "stopped by SIGINT" in err
 
 
-def test_the_jax_engine_refuses_several_processes(tmp_path):
-    """Each process would train its own copy: a clear error, naming what to do."""
+def test_the_jax_engine_trains_across_several_processes(tmp_path):
+    """Each process joins the others (jax.distributed) and trains one model on every
+    process's devices: the same weights everywhere (see test_multihost_jax.py)."""
     script = _script(tmp_path, "jax_two.py", """
         import os
         os.environ["KERAS_BACKEND"] = "jax"
-        import keras
+        import keras, numpy as np
         import keras_multigpu as kmg
-        kmg.multi_gpu_model(keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]))
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        parallel = kmg.multi_gpu_model(model)
+        parallel.compile(optimizer="sgd", loss="mse")
+        parallel.fit(np.arange(28.0).reshape(7, 4) / 28, np.ones((7, 2)), batch_size=3,
+                     epochs=2, verbose=0)
+        total = sum(float(np.sum(w)) for w in model.get_weights())
+        print("trained on", parallel.num_replicas, "devices of",
+              kmg.backends.current().process_count(), "processes:", round(total, 5))
     """)
     result = _run([*LAUNCH, "-n", "2", script], tmp_path)
-    assert result.returncode == 1
-    assert "runs as 2 processes (WORLD_SIZE=2), but the JAX engine uses every device" in (
-        result.stderr)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if "trained on 2 devices of 2" in line]
+    assert sorted(line.split("]")[0] for line in lines) == ["[rank 0", "[rank 1"], result.stdout
+    assert lines[0].split(":")[-1] == lines[1].split(":")[-1]
 
 
 def test_the_jax_engine_runs_unchanged_under_launch_n_1(tmp_path):

@@ -12,24 +12,456 @@ static shape, so XLA's SPMD partitioner carries the uneven split through the
 rest of the step itself, masking the padded tail of the last shard in every
 reduction (means, BatchNormalization moments, losses, metrics, gradients).
 The model's own step then runs on exactly the rows one device would see.
+
+Several processes (`WORLD_SIZE` > 1, as `keras-multigpu launch` or torchrun
+describe them: one per host with all its devices, or several per host that
+share its GPUs equally): they join with `jax.distributed` when this module
+is imported, before JAX starts (see `_join`), and the mesh holds every
+device of every process (`jax.devices()`). The program stays the one above,
+run by every process on the same data: each process computes the same
+global batch (the same order, drawn from the same seeds) and places only
+its own devices' rows of it (`_global`), and XLA's collectives (gloo between
+CPU processes, NCCL between GPUs) do the rest. `batch_size` is still the
+global batch, and the results are one device's. Process 0 alone writes
+files (`_process_zero_writes`), every process stops at the same step after
+a Ctrl-C (`_agree_to_stop`), and a process that fails leaves at once, so
+that the others fail too instead of waiting (`_leave_at_once_on_failure`).
 """
 
+import atexit
+import contextlib
 import functools
+import json
 import logging
+import math
 import os
+import random
+import socket
+import struct
+import sys
+import time
 import warnings
+import zlib
 
 import jax
 import keras
 import numpy as np
+from jax._src import distributed as jax_distributed
 from jax._src import xla_bridge
+from jax.experimental import multihost_utils
+from keras.src.backend.jax import distribution_lib as keras_jax_distribution
+from keras.src.saving import saving_api
 
-from keras_multigpu import _xla
+from keras_multigpu import _xla, interrupt
 from keras_multigpu import devices as devices_lib
+from keras_multigpu._io import atomic_path
+from keras_multigpu.backends import _rules as shared
 from keras_multigpu.backends._marker import tag, untag  # noqa: F401 (the seam's names)
 from keras_multigpu.devices import Device
 
 logger = logging.getLogger(__name__)
+
+# Seconds a process waits for the others to join (and a non-first process for
+# the first one's save), as for the torch engine.
+TIMEOUT_ENV = "KERAS_MULTIGPU_TIMEOUT"
+DEFAULT_TIMEOUT = 300
+
+
+# -- several processes: joining -------------------------------------------------
+#
+# `jax.distributed.initialize` must run before JAX starts, and it cannot fail
+# cleanly: a peer that never connects, or a coordinator that is not there,
+# ends the process from inside XLA once twice its timeout has passed (a fatal
+# "Terminating process because the JAX distributed service detected fatal
+# errors ... DEADLINE_EXCEEDED ... RegisterTask" from xla/pjrt/distributed/
+# client.h, then SIGABRT), naming neither the address nor the missing process.
+# So the processes first meet on the coordinator's port over a plain socket:
+# process 0 listens there until every other process has said hello
+# (`_await_peers`, `_reach_coordinator`), and only then does everyone call
+# `jax.distributed.initialize`, whose coordinator takes the port over. Every
+# way the meeting can fail is a Python exception naming the address, the
+# processes and the timeout.
+
+
+def _world():
+    """WORLD_SIZE as the launcher set it (1 when it is unset or not a count)."""
+    raw = os.environ.get("WORLD_SIZE", "1").strip()
+    return int(raw) if raw.isdigit() and int(raw) > 0 else 1
+
+
+def _timeout():
+    raw = os.environ.get(TIMEOUT_ENV, str(DEFAULT_TIMEOUT))
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = 0.0
+    if not 0 < seconds < math.inf:
+        raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds. Received: "
+                         f"{TIMEOUT_ENV}={raw!r}.")
+    return seconds
+
+
+def _launch_variables(world):
+    missing = [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+    if missing:
+        raise ValueError(
+            f"This program runs as {world} processes (WORLD_SIZE={world}), but "
+            f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set. Start every "
+            "process with `keras-multigpu launch` (or torchrun), or set RANK, MASTER_ADDR and "
+            "MASTER_PORT in each as they do."
+        )
+    rank, port = os.environ["RANK"].strip(), os.environ["MASTER_PORT"].strip()
+    if not (rank.isdigit() and int(rank) < world) or not (port.isdigit() and 0 < int(port) < 65536):
+        raise ValueError(
+            f"RANK must be a process index below WORLD_SIZE={world} and MASTER_PORT a port "
+            f"number. Received: RANK={rank!r}, MASTER_PORT={port!r}."
+        )
+    return int(rank), os.environ["MASTER_ADDR"].strip(), int(port)
+
+
+_LENGTH = struct.Struct("!Q")
+_HELLO = "keras_multigpu join"
+
+
+def _send(connection, payload):
+    connection.sendall(_LENGTH.pack(len(payload)) + payload)
+
+
+def _read(connection, size, deadline):
+    chunks = []
+    while size:
+        connection.settimeout(max(deadline - time.monotonic(), 0.001))
+        chunk = connection.recv(min(size, 1 << 16))
+        if not chunk:
+            raise ConnectionError("the other side closed the connection")
+        chunks.append(chunk)
+        size -= len(chunk)
+    return b"".join(chunks)
+
+
+def _receive(connection, deadline):
+    (size,) = _LENGTH.unpack(_read(connection, _LENGTH.size, deadline))
+    if size > 1 << 24:
+        raise ConnectionError("not a keras_multigpu process")
+    return _read(connection, size, deadline)
+
+
+def _listen(port):
+    """Process 0's socket on the coordinator's port, on every interface (as JAX's own)."""
+    if socket.has_dualstack_ipv6():
+        return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
+    return socket.create_server(("", port))
+
+
+def _await_peers(port, world, timeout, payload):
+    """Process 0: waits until the other `world - 1` processes say hello, then sends each
+    `payload` and waits for it to hang up (the peer closes first, so that the port is
+    free at once for JAX's coordinator)."""
+    deadline = time.monotonic() + timeout
+    try:
+        server = _listen(port)
+    except OSError as error:
+        raise RuntimeError(
+            f"Process 0 of {world} (the coordinator) cannot listen on MASTER_PORT={port}: "
+            f"{error.strerror or error}. Another program holds it: pick another port."
+        ) from error
+    peers = {}
+    try:
+        with server:
+            while len(peers) < world - 1:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(set(range(1, world)) - set(peers))
+                    raise RuntimeError(
+                        f"Process 0 of {world} (the coordinator, on port {port}) waited "
+                        f"{timeout:g} s ({TIMEOUT_ENV}) for process(es) {missing} to join, and "
+                        f"they never did ({len(peers) + 1} of {world} joined). Start every "
+                        "process with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE "
+                        f"(keras-multigpu launch does), or raise {TIMEOUT_ENV} if they start "
+                        "slowly."
+                    )
+                server.settimeout(left)
+                try:
+                    connection, _ = server.accept()
+                except TimeoutError:
+                    continue
+                try:
+                    hello = json.loads(_receive(connection, min(deadline, time.monotonic() + 10)))
+                    rank, their_world = int(hello["rank"]), int(hello["world"])
+                    if hello["hello"] != _HELLO:
+                        raise ValueError(hello)
+                except (OSError, ValueError, KeyError, TypeError):
+                    connection.close()  # not one of ours (a port scan, a stale process)
+                    continue
+                if their_world != world or rank in peers or not 0 < rank < world:
+                    connection.close()
+                    raise RuntimeError(
+                        f"Process 0 of {world} was joined on port {port} by a process that "
+                        f"says it is rank {rank} of {their_world}: "
+                        + ("the world sizes differ. " if their_world != world else
+                           "that rank has joined already. ")
+                        + "Give every process the same WORLD_SIZE and a distinct RANK."
+                    )
+                peers[rank] = connection
+            for connection in peers.values():
+                _send(connection, payload)
+            for connection in peers.values():
+                with contextlib.suppress(OSError):
+                    connection.settimeout(max(deadline - time.monotonic(), 1.0))
+                    while connection.recv(1):
+                        pass
+    finally:
+        for connection in peers.values():
+            connection.close()
+
+
+def _reach_coordinator(address, port, rank, world, timeout):
+    """Another process: says hello to process 0 (retrying until it listens); returns its payload."""
+    deadline = time.monotonic() + timeout
+    hello = json.dumps({"hello": _HELLO, "rank": rank, "world": world}).encode()
+    last = "nothing answered"
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RuntimeError(
+                f"Process {rank} of {world} could not join process 0 (the coordinator) at "
+                f"{address}:{port} within {timeout:g} s ({TIMEOUT_ENV}): {last}. Start every "
+                "process with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE "
+                f"(keras-multigpu launch does), with process 0 among them, or raise "
+                f"{TIMEOUT_ENV} if it starts slowly."
+            )
+        try:
+            connection = socket.create_connection((address, port), timeout=min(left, 5.0))
+        except OSError as error:
+            last = error.strerror or str(error)
+            time.sleep(min(0.2, max(left, 0.0)))
+            continue
+        with connection:
+            try:
+                _send(connection, hello)
+                return _receive(connection, deadline)
+            except OSError as error:  # ConnectionError and timeouts included
+                last = str(error) or type(error).__name__
+                time.sleep(min(0.2, max(deadline - time.monotonic(), 0.0)))
+
+
+def _listed(value):
+    return [_listed(v) for v in value] if isinstance(value, (tuple, list)) else value
+
+
+def _tupled(value):
+    return tuple(_tupled(v) for v in value) if isinstance(value, list) else value
+
+
+def _random_state():
+    """Python's and NumPy's global generators, as JSON."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return json.dumps({"python": _listed(random.getstate()),
+                       "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)]}
+                      ).encode()
+
+
+def _set_random_state(payload):
+    state = json.loads(payload)
+    random.setstate(_tupled(state["python"]))
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, "uint32"), pos, has_gauss, gauss))
+
+
+def _local_device_ids():
+    """With several processes on one host (LOCAL_WORLD_SIZE > 1), each takes an equal share
+    of its GPUs: JAX would give every one of them all. CPU devices are each process's own."""
+    raw = os.environ.get("LOCAL_WORLD_SIZE", "1").strip()
+    local_world = int(raw) if raw.isdigit() else 1
+    if local_world <= 1:
+        return None
+    gpus = [d for d in devices_lib.list_devices() if d.kind == "gpu"]
+    if not gpus:
+        return None
+    if len(gpus) % local_world:
+        raise ValueError(
+            f"This host runs {local_world} processes (LOCAL_WORLD_SIZE={local_world}) and has "
+            f"{len(gpus)} GPUs, which do not divide equally among them. Start one process per "
+            "host, or a number of processes that divides the GPU count."
+        )
+    share = len(gpus) // local_world
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return [d.id for d in gpus[local_rank * share:(local_rank + 1) * share]]
+
+
+def _join():
+    """Joins the other processes the launcher described (WORLD_SIZE > 1), once.
+
+    Every process then starts from process 0's Python and NumPy random state, so
+    that programs that seed nothing still build the same model and draw the same
+    batch order everywhere (as the torch engine does). Does nothing with one
+    process, or when `jax.distributed` was initialized already (by the user).
+    """
+    world = _world()
+    if world == 1:
+        return
+    if jax.distributed.is_initialized():  # by an earlier call, or by the user
+        _set_up_processes()
+        return
+    if xla_bridge.backends_are_initialized():
+        raise RuntimeError(
+            f"This program runs as {world} processes (WORLD_SIZE={world}), but JAX started "
+            "before keras_multigpu could join them (jax.distributed must be initialized "
+            "before JAX starts: building a model or calling jax.devices() starts it). "
+            "Import keras_multigpu before anything calls into JAX."
+        )
+    rank, address, port = _launch_variables(world)
+    timeout = _timeout()
+    local_device_ids = _local_device_ids()
+    if rank == 0:
+        _await_peers(port, world, timeout, _random_state())
+    else:
+        _set_random_state(_reach_coordinator(address, port, rank, world, timeout))
+    coordinator = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+    if "JAX_ENABLE_PREEMPTION_SERVICE" not in os.environ:
+        # JAX's preemption service catches SIGTERM (to checkpoint at a sync point, which
+        # Keras never reaches): the launcher's SIGTERM must end the process, as it ends a
+        # process on one host.
+        jax.config.update("jax_enable_preemption_service", False)
+    try:
+        jax.distributed.initialize(
+            coordinator_address=coordinator, num_processes=world, process_id=rank,
+            local_device_ids=local_device_ids, cluster_detection_method="deactivate",
+            initialization_timeout=max(1, math.ceil(timeout)),
+        )
+    except Exception as error:  # noqa: BLE001 (XLA raises several kinds here)
+        raise RuntimeError(
+            f"Process {rank} of {world} met the others at {coordinator}, but could not start "
+            f"jax.distributed there: {error}"
+        ) from error
+    logger.info("Process %d of %d joined the others at %s.", rank, world, coordinator)
+    _set_up_processes()
+
+
+@functools.cache
+def _set_up_processes():
+    """What several processes need once joined: saving, stopping and failing together."""
+    _install_process_rules()
+    interrupt.set_agreement(_agree_to_stop)
+    _leave_at_once_on_failure()
+
+
+def _agree_to_stop(requested):
+    """Whether any process was asked to stop (Ctrl-C): all stop at the same step boundary.
+
+    A process that stopped alone would leave the others waiting in the next step's
+    collectives. One all-gather of a flag per boundary (every process reaches the
+    same boundaries, in the main thread), about a millisecond between two CPU
+    processes.
+    """
+    flags = multihost_utils.process_allgather(np.array([1 if requested else 0], "int32"))
+    return bool(np.asarray(flags).any())
+
+
+_failure = []  # the type of the exception this process is ending with, if any
+
+
+def _leave_at_once_on_failure():
+    """Makes a process that ends with an exception leave at once.
+
+    At exit, JAX waits (up to 5 minutes) for every process to reach its shutdown
+    barrier. A process that failed alone (a callback that only process 0 runs, a
+    file only it lacks) would sit there while the others wait in the step's
+    collectives for it: nothing would move for minutes. Leaving at once instead
+    (after the traceback is printed) closes its connections, so the others' next
+    collective fails at once too, and they leave the same way; the launcher then
+    reports the first failure. Other `atexit` functions registered before the
+    processes joined do not run after a failure.
+    """
+    previous = sys.excepthook
+
+    def excepthook(kind, value, traceback):
+        if not (hasattr(sys, "ps1") or sys.flags.interactive):  # a REPL goes on after one
+            _failure.append(kind)
+        previous(kind, value, traceback)
+
+    sys.excepthook = excepthook
+    atexit.register(_exit_if_failed)  # after JAX's own, so it runs before JAX's barrier
+
+
+def _exit_if_failed():
+    if not _failure:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(130 if issubclass(_failure[0], KeyboardInterrupt) else 1)
+
+
+# -- several processes: files -----------------------------------------------------
+
+_saves = {}  # file name -> saves of that name this process made (every process counts alike)
+
+
+def _process_zero_writes(function):
+    """Keras's save function, run by process 0 alone (one file, not one per process,
+    written atomically). Every process must call it, as an unchanged Keras script
+    does: any other process returns once process 0 has written its matching save (the
+    file is readable then, on a shared file system), or fails with process 0's error.
+
+    Saves match by file name and count (the 3rd save of `model.keras` on each
+    process), not by whole path: a path may hold the process id (the project's
+    `Checkpoint` writes into a per-process temporary folder). Process 0 never waits
+    for the others, so the saves it makes alone (a `BackupAndRestore`'s, which the
+    other processes run as restore-only) cost nothing and shift no count.
+    """
+
+    @functools.wraps(function)
+    def wrapper(model, filepath, *args, **kwargs):
+        if jax.process_count() == 1:
+            return function(model, filepath, *args, **kwargs)
+        try:
+            path = os.path.abspath(os.fspath(filepath))
+        except TypeError:  # a file object: only process 0 writes to it
+            return function(model, filepath, *args, **kwargs) if jax.process_index() == 0 else None
+        name = os.path.basename(path)
+        _saves[name] = count = _saves.get(name, 0) + 1
+        key = f"keras_multigpu/saved/{count}/{name}"
+        client = jax_distributed.global_state.client
+        if jax.process_index() == 0:
+            suffix = next((s for s in (".weights.h5", ".keras", ".h5") if path.endswith(s)), "")
+            try:
+                if not kwargs.pop("overwrite", True) and os.path.exists(path):
+                    raise FileExistsError(f"{path} exists and overwrite=False.")
+                with atomic_path(path, suffix) as tmp:
+                    result = function(model, tmp, *args, **kwargs)
+            except BaseException as error:
+                client.key_value_set(key, f"{type(error).__name__}: {error}")
+                raise
+            client.key_value_set(key, "")
+            return result
+        timeout = _timeout()
+        try:
+            outcome = client.blocking_key_value_get(key, int(timeout * 1000))
+        except Exception as error:  # noqa: BLE001 (XLA's own error types)
+            raise RuntimeError(
+                f"Process {jax.process_index()} waited {timeout:g} s ({TIMEOUT_ENV}) for "
+                f"process 0 to write its save number {count} of {name} (as {path} here), "
+                "and it did not. Every process must save at the same points of the "
+                "program (process 0 writes the file)."
+            ) from error
+        if outcome:
+            raise RuntimeError(f"Process 0 could not write {name} (save number {count}): "
+                               f"{outcome}")
+        return None
+
+    wrapper._keras_multigpu_original = function
+    return wrapper
+
+
+def _install_process_rules():
+    for name in ("save_model", "save_weights"):
+        function = getattr(saving_api, name)
+        if not hasattr(function, "_keras_multigpu_original"):
+            setattr(saving_api, name, _process_zero_writes(function))
+
+
+# -- the engine -------------------------------------------------------------------
 
 def configure_cpu_devices(count):
     """Asks XLA for `count` host (CPU) devices, if JAX has not started yet.
@@ -39,9 +471,10 @@ def configure_cpu_devices(count):
     device, XLA's CPU collective timeouts are raised too (where the installed
     jaxlib has them, and unless `XLA_FLAGS` sets them already), so that a
     starved device thread slows a step down instead of aborting the process.
+    With several processes, `count` is this process's share.
     """
     if xla_bridge.backends_are_initialized():
-        have = len(jax.devices("cpu"))
+        have = len(jax.local_devices(backend="cpu"))
         if have != count:
             warnings.warn(
                 f"JAX had already started with {have} CPU device(s), so "
@@ -56,6 +489,8 @@ def configure_cpu_devices(count):
 
 
 def list_devices():
+    """Every device of every process (one process: this machine's)."""
+    _join()
     return [Device(d.id, d.platform, d.device_kind) for d in jax.devices()]
 
 
@@ -67,21 +502,135 @@ def _jax_device(device):
 
 
 def make_distribution(devices):
-    devices_lib.refuse_several_processes("JAX")
-    return keras.distribution.DataParallel(devices=[_jax_device(d) for d in devices])
+    _join()
+    chosen = [_jax_device(d) for d in devices]
+    count = jax.process_count()
+    if count > 1:
+        # Every process runs the same program on its own devices: one without any
+        # would have nothing to run it on.
+        idle = sorted(set(range(count)) - {d.process_index for d in chosen})
+        if idle:
+            owned = {p: [d.id for d in jax.devices() if d.process_index == p]
+                     for p in range(count)}
+            raise ValueError(
+                f"multi_gpu_model chose device(s) {[d.id for d in chosen]}, none of which "
+                f"belongs to process(es) {idle} of the {count} this program runs as; each "
+                "process needs at least one. Pass gpus=None for every device of every "
+                f"process, or a list of ids that includes some of each (their devices: "
+                f"{owned})."
+            )
+    # Every process feeds the whole global batch (`scope`): Keras must not split the
+    # input among the processes itself.
+    return keras.distribution.DataParallel(devices=chosen, auto_shard_dataset=False)
 
 
 def check_model(model):
     """Any Keras model can be distributed here."""
 
 
+def _always():
+    return True
+
+
+@contextlib.contextmanager
 def scope(distribution):
-    """Keras's distribution scope: variables and batches are laid out on the mesh."""
-    return distribution.scope()
+    """Keras's distribution scope: variables and batches are laid out on the mesh.
+
+    With several processes, Keras's JAX trainer would take each batch for this
+    process's part of the global batch (`jax.make_array_from_process_local_data`):
+    here every process holds the whole global batch, so inside the scope it
+    is placed as such (`_global`).
+    """
+    with distribution.scope():
+        if jax.process_count() == 1:
+            yield
+            return
+        with shared.installed((
+            (keras_jax_distribution, "distribute_data_input", _distribute_data_input, _always),
+            (keras_jax_distribution, "distribute_tensor", _distribute_tensor, _always),
+        )):
+            yield
+
+
+def _distribute_data_input(original, per_process_batch, layout, batch_dim_name=None):
+    """Keras's `distribute_data_input` (`original`) as a rule, with several processes:
+    the value is the global batch, the same on every process."""
+    if isinstance(layout, keras.distribution.TensorLayout):
+        layout = layout.backend_layout
+    if per_process_batch is None or not isinstance(layout, jax.sharding.Sharding):
+        return original(per_process_batch, layout, batch_dim_name)  # (None: `*_on_batch`)
+    return _global(per_process_batch, layout)
+
+
+def _distribute_tensor(original, tensor, layout):
+    """Keras's `distribute_tensor` (`original`) as a rule, with several processes: a
+    value (a new variable's, an assignment's) is placed without a collective.
+
+    Keras's own `jax.device_put` checks that the value is the same on every
+    process, an all-gather that every process must join: a variable created by
+    process 0 alone (Keras's saving builds a throwaway optimizer, and only
+    process 0 saves) would wait in it for the others forever.
+    """
+    if isinstance(layout, keras.distribution.TensorLayout):
+        layout = layout.backend_layout
+    if isinstance(tensor, jax.core.Tracer) or not isinstance(layout, jax.sharding.Sharding):
+        return original(tensor, layout)
+    return _global(tensor, layout)
+
+
+def _global(value, sharding):
+    """`value`, the same on every process, as one array laid out by `sharding` across them.
+
+    Each process copies only its own devices' parts of it: no data crosses between
+    hosts, and nothing waits for the other processes. An array that spans the
+    processes already is passed on (relaid out by XLA where its layout differs).
+    """
+    if isinstance(value, jax.Array) and not value.is_fully_addressable:
+        if value.sharding == sharding or value.sharding.is_equivalent_to(sharding, value.ndim):
+            return value
+        if not value.is_fully_replicated:
+            return jax.device_put(value, sharding)
+    host = np.asarray(value)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def jit_compile(value):
     return value  # one program for the whole mesh: XLA as the model asks
+
+
+def _fingerprint(host):
+    return zlib.crc32(np.ascontiguousarray(host).view(np.uint8).tobytes())
+
+
+def _replicated_across_processes(variables, target):
+    """The variables' values replicated on `target`'s devices of every process, each
+    process placing its own copies from its own host values; those must be the same on
+    every process, which one all-gather of their checksums verifies."""
+    values, checked = [], []
+    for variable in variables:
+        value = variable.value
+        if (isinstance(value, jax.Array) and not value.is_fully_addressable
+                and not value.is_fully_replicated):
+            values.append(jax.device_put(value, target))  # laid out otherwise by a step
+            continue
+        host = np.asarray(value)
+        values.append(jax.make_array_from_callback(host.shape, target,
+                                                   lambda index, host=host: host[index]))
+        checked.append((variable, _fingerprint(host)))
+    if checked:
+        mine = np.array([f for _, f in checked], "uint32")
+        everyone = np.asarray(multihost_utils.process_allgather(mine))
+        differ = [variable.path for i, (variable, _) in enumerate(checked)
+                  if (everyone[:, i] != mine[i]).any()]
+        if differ:
+            raise RuntimeError(
+                f"The model's variables differ between the {jax.process_count()} processes "
+                f"({', '.join(differ[:5])}{' ...' if len(differ) > 5 else ''}): each would "
+                "train another model. Every process must build the same model: seed them "
+                "alike (keras.utils.set_random_seed(seed) before building it), and load the "
+                "same weights on every process."
+            )
+    return values
 
 
 def replicate(variables, distribution, optimizer=None):
@@ -100,9 +649,13 @@ def replicate(variables, distribution, optimizer=None):
         stale.append(variable)
     if not stale:
         return
-    # One transfer for all of them (metrics reset every epoch: several small
-    # arrays), rather than one dispatch per variable.
-    for variable, value in zip(stale, jax.device_put([v.value for v in stale], target)):
+    if jax.process_count() > 1:
+        values = _replicated_across_processes(stale, target)
+    else:
+        # One transfer for all of them (metrics reset every epoch: several small
+        # arrays), rather than one dispatch per variable.
+        values = jax.device_put([v.value for v in stale], target)
+    for variable, value in zip(stale, values):
         # A layout left by an earlier distribution would send the value back
         # to its old devices on assignment; this placement supersedes it.
         variable._layout = None
@@ -110,7 +663,11 @@ def replicate(variables, distribution, optimizer=None):
 
 
 def release(variables, distribution, optimizer=None, failed=False):
-    """Nothing to undo: replicated arrays serve the model on one device too."""
+    """Nothing to undo: replicated arrays serve the model on one device too.
+
+    (With several processes they span every process: the model then runs, as it
+    trained, as one program of every process.)
+    """
 
 
 @functools.cache
@@ -132,7 +689,13 @@ def resident(arrays, distribution):
     batch axis as Keras places a batch, so a step's data never leaves the
     devices: no host slicing, no host-to-device copy (Keras's placement
     returns an array that already has its sharding unchanged).
+
+    With several processes, declines (None): each batch is then placed from
+    the host, each process copying only its own devices' rows of it, where a
+    resident dataset would be copied whole to every device of every host.
     """
+    if jax.process_count() > 1:
+        return None
     mesh = distribution.device_mesh.backend_mesh
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     placed = jax.device_put(arrays, replicated)
@@ -152,10 +715,13 @@ def shard(arrays, distribution):
 
     The result has the sharding Keras gives a batch, so Keras passes it on
     unchanged. `device_put` returns at once; the copy proceeds while the
-    caller goes on (the host path prefetches with it).
+    caller goes on (the host path prefetches with it). With several
+    processes, each copies only its own devices' rows (`_global`).
     """
     mesh = distribution.device_mesh.backend_mesh
     split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("batch"))
+    if jax.process_count() > 1:
+        return jax.tree.map(lambda a: _global(a, split), arrays)
     return jax.device_put(arrays, split)
 
 
@@ -179,12 +745,15 @@ def free_memory(devices):
     Accelerators report their allocator's limit less what is in use. CPU
     devices (virtual ones included) share the host's memory: each gets an
     equal part of what the host has available, since a dataset placed on
-    all of them is copied once per device.
+    all of them is copied once per device. Another process's devices count
+    as this host's CPU devices do (only their own process can ask them).
     """
     found = {(d.platform, d.id): d for d in jax.devices()}
     free, cpus = [], 0
     for device in devices:
-        stats = found[(device.kind, device.id)].memory_stats() or {}
+        found_device = found[(device.kind, device.id)]
+        local = found_device.process_index == jax.process_index()
+        stats = (found_device.memory_stats() if local else None) or {}
         if "bytes_limit" in stats:
             free.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
         else:
@@ -197,11 +766,33 @@ def free_memory(devices):
     return free
 
 
+def _replicated_in_step(outputs):
+    """Inside the step: `outputs` laid out whole on every device."""
+    distribution = keras.distribution.distribution()
+    if distribution is None:
+        return outputs
+    target = jax.sharding.NamedSharding(distribution.device_mesh.backend_mesh,
+                                        jax.sharding.PartitionSpec())
+    return jax.tree.map(
+        lambda a: jax.lax.with_sharding_constraint(a, target) if isinstance(a, jax.Array) else a,
+        outputs)
+
+
 def run_step(step, data, rows_out=False):
     """Runs `step` (the model's own) on the real rows of `data`, once for the whole mesh.
 
-    Its outputs cover every row already (`rows_out` needs nothing here)."""
-    return step(untag(data))
+    Its outputs cover every row already (`rows_out` needs nothing here). With
+    several processes, what the step hands back to the host (logs,
+    predictions; not the state, which keeps its layout) is made whole on
+    every device: Keras reads it with NumPy, and a process can read an array
+    that spans other processes' devices only when it holds all of it.
+    """
+    result = step(untag(data))
+    if jax.process_count() == 1:
+        return result
+    if isinstance(result, tuple) and len(result) == 2:  # (logs or outputs, state)
+        return _replicated_in_step(result[0]), result[1]
+    return _replicated_in_step(result)
 
 
 def batch_spec(iterator):
@@ -215,3 +806,10 @@ def process_index():
 
 def process_count():
     return jax.process_count()
+
+
+# Several processes (hosts): join before anything starts JAX (see `_join`). Importing
+# keras_multigpu under a launcher (LOCAL_RANK set) imports this module at once. Where
+# JAX had started already, `list_devices` and `make_distribution` say so.
+if _world() > 1 and not xla_bridge.backends_are_initialized():
+    _join()
