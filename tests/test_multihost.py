@@ -252,3 +252,45 @@ def test_bad_node_flags_are_one_line_errors(tmp_path, flags, message):
     assert result.returncode == 2
     assert message in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_backup_and_restore_saves_and_resumes_with_every_process(tmp_path):
+    """Keras's BackupAndRestore: rank 0 writes each backup and the others join its save
+    (a save ends at a barrier); after a failure every rank resumes from it."""
+    script = _script(tmp_path, "backup.py", """
+        import os, sys
+        os.environ["KERAS_BACKEND"] = "torch"
+        import keras, numpy as np
+        import keras_multigpu as kmg
+
+        class Fail(keras.callbacks.Callback):
+            def on_epoch_end(self, epoch, logs=None):
+                if epoch == 1 and sys.argv[2] == "fail":
+                    raise RuntimeError("failing after epoch 2, as a crash would")
+
+        keras.utils.set_random_seed(0)
+        x = np.random.rand(40, 4).astype("float32")
+        y = np.random.rand(40, 1).astype("float32")
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        parallel = kmg.multi_gpu_model(model)
+        parallel.compile(optimizer="sgd", loss="mse")
+        history = parallel.fit(x, y, batch_size=8, epochs=4, verbose=0, callbacks=[
+            keras.callbacks.BackupAndRestore(sys.argv[1], save_freq=3), Fail()])
+        print("epochs run", len(history.history["loss"]))
+    """)
+    backup = str(tmp_path / "backup")
+    failed = subprocess.run([*LAUNCH, "-n", "2", "--timeout", "30", script, backup, "fail"],
+                            cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                            timeout=200, check=False)
+    assert failed.returncode == 1, failed.stderr[-3000:]
+    assert "failing after epoch 2" in failed.stderr
+    assert os.listdir(backup)  # kept for the next start
+    resumed = subprocess.run([*LAUNCH, "-n", "2", "--timeout", "30", script, backup, "go"],
+                             cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                             timeout=200, check=False)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    # Its last backup (every 3 of 5 steps) was in epoch 2, which Keras runs again from its
+    # first batch: epochs 2, 3 and 4.
+    assert "[rank 0] epochs run 3" in resumed.stdout and "[rank 1] epochs run 3" in (
+        resumed.stdout)
+    assert not os.path.exists(backup)  # deleted once training finished

@@ -549,11 +549,17 @@ _WRITERS = (keras.callbacks.CSVLogger, keras.callbacks.TensorBoard)
 
 
 class _RestoreOnly(keras.callbacks.Callback):
-    """A `BackupAndRestore` on a process that does not write: it restores, nothing else."""
+    """A `BackupAndRestore` on a process that does not write: it restores, and joins every
+    save the first process makes (a save ends at a barrier that every process must reach),
+    writing nothing itself and deleting nothing at the end."""
 
     def __init__(self, callback):
         super().__init__()
         self.callback = callback
+        callback._save_model = self._join_save  # its own saving decides when; this, how
+
+    def _join_save(self):
+        self.callback.model.save_weights(self.callback._weights_path, overwrite=True)
 
     def set_model(self, model):
         super().set_model(model)
@@ -561,6 +567,12 @@ class _RestoreOnly(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self.callback.on_train_begin(logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.callback.on_epoch_end(epoch, logs)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.callback.on_train_batch_end(batch, logs)
 
 
 def _readers(callbacks):

@@ -46,6 +46,7 @@ wait for it.
 """
 
 import base64
+import concurrent.futures
 import contextlib
 import functools
 import json
@@ -501,8 +502,24 @@ def _weight(dtype="float32"):
     return tf.math.divide_no_nan(tf.cast(k, dtype), tf.cast(n, dtype))
 
 
-def _all_reduce(values):
-    return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, values)
+def _placed(value):
+    """`value`, on this replica's device where TensorFlow placed it on none.
+
+    A replica's all-reduce sends each value to its own device. With one
+    replica per worker its values reach the reduction as they are (with
+    several, as a PerReplica that names the devices), and one on no device
+    fails: "destinations can not be empty". A variable's read is one:
+    `ResourceVariable.value` leaves every device scope; an identity, made
+    in the replica's scope, is on its device.
+    """
+    if isinstance(value, tf.Tensor) and not tf.executing_eagerly() and not value.device:
+        return tf.identity(value)
+    return value
+
+
+def _all_reduce(values, reduction=tf.distribute.ReduceOp.SUM):
+    return tf.distribute.get_replica_context().all_reduce(
+        reduction, tf.nest.map_structure(_placed, values))
 
 
 def _weighed(gradient):
@@ -751,12 +768,11 @@ def _global_result(original, self):
     if keras.src.backend.in_stateless_scope() or not self.variables:
         return original(self)
     reductions = {"sum": tf.distribute.ReduceOp.SUM, "mean": tf.distribute.ReduceOp.MEAN}
-    context = tf.distribute.get_replica_context()
     values = []
     for variable in self.variables:
         value = tf.convert_to_tensor(variable.value)
         reduction = reductions.get(getattr(variable, "aggregation", None))
-        values.append(value if reduction is None else context.all_reduce(reduction, value))
+        values.append(value if reduction is None else _all_reduce(value, reduction))
     with keras.src.backend.StatelessScope(state_mapping=list(zip(self.variables, values))):
         return original(self)
 
@@ -1011,7 +1027,12 @@ def _worker_zero_writes(function):
             path = os.fspath(filepath)
             suffix = next((s for s in (".weights.h5", ".keras", ".h5") if path.endswith(s)), "")
             with atomic_path(path, suffix) as tmp:
-                result = function(model, tmp, *args, **kwargs)
+                # In a thread of its own, outside the strategy's scope (thread-local): Keras's
+                # saving creates variables (a throwaway optimizer), and a variable created in
+                # the scope of a call (ModelCheckpoint, Checkpoint) is broadcast to every
+                # worker, which waits for the others forever when only worker 0 saves.
+                with concurrent.futures.ThreadPoolExecutor(1) as thread:
+                    result = thread.submit(function, model, tmp, *args, **kwargs).result()
         _workers.barrier("barrier after a save (every worker must call save; worker 0 writes)")
         return result
 
@@ -1050,10 +1071,11 @@ def _join(spec, task_type, task_id):
     local_devices = tf_collective.CollectiveAllReduceExtended._initialize_local_devices
 
     def every_cpu_device(self, resolver, worker_device):
-        # TensorFlow takes one CPU device per worker; here, each of its logical ones.
+        # TensorFlow takes one CPU device per worker, named by the worker alone (which the
+        # engine's per-device placement cannot use); here, each of its logical ones, by name.
         found, kind = local_devices(self, resolver, worker_device)
-        if kind == "CPU" and (count or 1) > 1:
-            found = tuple(f"{worker_device}/device:CPU:{i}" for i in range(count))
+        if kind == "CPU":
+            found = tuple(f"{worker_device}/device:CPU:{i}" for i in range(count or 1))
         return found, kind
 
     tf_collective.CollectiveAllReduceExtended._initialize_local_devices = every_cpu_device
