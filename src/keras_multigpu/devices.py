@@ -140,17 +140,17 @@ def list_devices():
 
 
 def refuse_several_processes(engine):
-    """Refuses a run started as several processes (WORLD_SIZE > 1) by an engine that uses
-    every device from one process: each process would train its own copy of the model and
-    write the same files."""
+    """Refuses a run started as several processes (WORLD_SIZE > 1) that the engine cannot
+    join (TensorFlow without TF_CONFIG): each process would train its own copy of the model
+    and write the same files."""
     world = os.environ.get("WORLD_SIZE", "1")
     if world.isdigit() and int(world) > 1:
         raise RuntimeError(
             f"This program runs as {world} processes (WORLD_SIZE={world}), but the {engine} "
-            "engine uses every device from one process: each process would train its own "
-            "copy and write the same files. Start it once (python script.py, or "
-            "keras-multigpu launch -n 1), or set KERAS_BACKEND=torch, whose engine runs one "
-            "process per device."
+            "engine was given no way to join them (TensorFlow's workers need TF_CONFIG): each "
+            "process would train its own copy and write the same files. Start it with "
+            "keras-multigpu launch, which sets TF_CONFIG for TensorFlow, or once (python "
+            "script.py, or keras-multigpu launch -n 1)."
         )
 
 
