@@ -9,6 +9,7 @@ gloo; the JAX and TensorFlow engines have their own files
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -23,10 +24,11 @@ pytest.importorskip("torch")
 LAUNCH = [sys.executable, "-m", "keras_multigpu.cli", "launch"]
 
 # argv: output folder, then "kill" to SIGKILL rank 1 in the middle of epoch 2 (on the first
-# start only: a restarted group goes through). Uneven batches (99 rows, 25 a batch, over 4
-# processes), BatchNorm, Dropout, a decaying learning rate, checkpoints every 2 steps.
+# start only: a restarted group goes through), or "slow" to print each step and pause.
+# Uneven batches (99 rows, 25 a batch, over 4 processes), BatchNorm, Dropout, a decaying
+# learning rate, checkpoints every 2 steps.
 TRAIN = """
-import json, os, signal, sys
+import json, os, signal, sys, time
 os.environ["KERAS_BACKEND"] = "torch"
 import keras, numpy as np
 import keras_multigpu as kmg
@@ -51,6 +53,9 @@ class Fault(keras.callbacks.Callback):
         self.epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
+        if fault == "slow":  # time for a Ctrl-C to land in the middle of a step
+            print("at", self.epoch, batch, flush=True)
+            time.sleep(0.3)
         if (fault == "kill" and self.epoch == 1 and batch == 1
                 and os.environ.get("RANK") == "1"
                 and os.environ.get("KERAS_MULTIGPU_RESTART_COUNT") == "0"):
@@ -159,6 +164,34 @@ def test_a_killed_process_restarts_the_group_which_resumes_exactly(tmp_path, ref
     assert "rank 1 of 2 was killed by SIGKILL" in result.stderr
     assert "restarting the 2 process(es) of node 0 (restart 1 of 1)" in result.stderr
     assert "Checkpoint: resuming from" in result.stdout
+    for rank in range(2):
+        _assert_equal_runs(tmp_path, rank, reference)
+
+
+def test_ctrl_c_checkpoints_every_rank_at_one_step_and_the_next_start_resumes(
+        tmp_path, reference):
+    script = _script(tmp_path, "train.py", TRAIN)
+    launcher = subprocess.Popen([*LAUNCH, "-n", "2", script, str(tmp_path), "slow"],
+                                cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    for line in launcher.stdout:
+        if line.startswith("[rank 0] at 1 1"):  # epoch 2, its second step done
+            launcher.send_signal(signal.SIGINT)
+            break
+    out, err = launcher.communicate(timeout=120)
+    assert launcher.returncode == 130, err[-3000:]
+    assert "Stopped by Ctrl-C at a step boundary" in err
+    saved = sorted(os.listdir(tmp_path / "ckpt"))
+    state = json.loads((tmp_path / "ckpt" / saved[-1] / "state.json").read_text())
+    assert state["epoch"] == 1 and state["step"] >= 2  # the boundary after the Ctrl-C
+    assert not list(tmp_path.glob("weights-*.npz"))
+
+    resumed = subprocess.run([*LAUNCH, "-n", "2", script, str(tmp_path)], cwd=tmp_path,
+                             env=_env(), capture_output=True, text=True, timeout=300,
+                             check=False)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from {tmp_path / 'ckpt' / saved[-1]}" in resumed.stdout
     for rank in range(2):
         _assert_equal_runs(tmp_path, rank, reference)
 
