@@ -5,7 +5,7 @@
 # programs (tests/test_engines.py, tests/test_programs.py) on TensorFlow (with
 # its several-worker tests, tests/test_multihost_tf.py), then on PyTorch (whose
 # multi-device tests fork one gloo process per device) with the launcher's tests
-# (tests/test_launch.py, tests/test_multihost.py). The two streams share
+# across machines (tests/test_multihost.py). The two streams share
 # the cores; each one's output is printed when it ends.
 # pytest exits non-zero when a test fails and 5 when no test ran; either fails
 # this script.
@@ -16,12 +16,12 @@ bash scripts/setup.sh jax,test,peers
 .venv/bin/python -m pip install -q torch==2.13.0
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
-# The launcher's tests (one and several machines) start their own processes: they run in
-# the shorter stream, after torch's engine tests.
-launcher="tests/test_launch.py tests/test_multihost.py"
+# The launcher's tests across machines start their own processes: they run after torch's
+# engine tests, which balances the two streams.
+launcher="tests/test_multihost.py"
 KERAS_BACKEND=jax .venv/bin/python -m pytest -q -p no:cacheprovider \
-    --ignore=tests/test_launch.py --ignore=tests/test_multihost.py \
-    --ignore=tests/test_multihost_tf.py "$@" > "$logs/jax" 2>&1 &
+    --ignore=tests/test_multihost.py --ignore=tests/test_multihost_tf.py "$@" \
+    > "$logs/jax" 2>&1 &
 jax=$!
 status=0
 for backend in tensorflow torch; do
