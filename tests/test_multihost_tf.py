@@ -1,11 +1,11 @@
 """The TensorFlow engine on several workers (TF_CONFIG), one process per host.
 
 Every test runs real processes on 127.0.0.1: two workers with two virtual
-CPU devices each train the same program as one process with four devices
-and as one process with one device, and must agree with both (the second
-worker even seeded otherwise: the workers take the first's weights and
-random state). A worker whose peer never starts must fail with a clear
-message, not hang.
+CPU devices each (or one device each) train the same program as one process
+with four devices (two) and as one process with one device, and must agree
+with both (the second worker even seeded otherwise: the workers take the
+first's weights and random state). A worker whose peer never starts must
+fail with a clear message, not hang.
 """
 
 import json
@@ -142,27 +142,29 @@ def _assert_same(a, b, rtol=1e-5, atol=1e-6):
     np.testing.assert_allclose(a["prediction"], b["prediction"], rtol=rtol, atol=atol)
 
 
-def test_two_workers_train_as_one_process(tmp_path):
+def _train_on_workers(tmp_path, per_worker):
+    """Two workers with `per_worker` devices each, against one process with one device and
+    one with as many devices as the workers together: all must agree."""
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(PROGRAM))
     ports = _ports(2)
     processes = [
         _start(script, tmp_path / "one", 1),
-        _start(script, tmp_path / "four", 4),
-        *(_start(script, tmp_path / f"worker{i}", 2, TF_CONFIG=_tf_config(ports, i),
+        _start(script, tmp_path / "all", 2 * per_worker),
+        *(_start(script, tmp_path / f"worker{i}", per_worker, TF_CONFIG=_tf_config(ports, i),
                  KERAS_MULTIGPU_TIMEOUT="90", SEED=str(1 + 7 * i))
           for i in range(2)),
     ]
     outputs = _finish(processes, timeout=150)
     for process, output in zip(processes, outputs):
         assert process.returncode == 0, output[-4000:]
-    one, four = _result(tmp_path / "one"), _result(tmp_path / "four")
+    one, every = _result(tmp_path / "one"), _result(tmp_path / "all")
     workers = [_result(tmp_path / f"worker{i}", i) for i in range(2)]
-    assert (one["replicas"], four["replicas"]) == (1, 4)
+    assert (one["replicas"], every["replicas"]) == (1, 2 * per_worker)
     for i, worker in enumerate(workers):
         assert (worker["index"], worker["count"]) == (i, 2)
-        assert (worker["replicas"], worker["devices"]) == (4, 2)
-        _assert_same(worker, four)
+        assert (worker["replicas"], worker["devices"]) == (2 * per_worker, per_worker)
+        _assert_same(worker, every)
         _assert_same(worker, one)
     # Every worker ends with the same model, bit for bit.
     for u, v in zip(workers[0]["weights"], workers[1]["weights"]):
@@ -176,6 +178,17 @@ def test_two_workers_train_as_one_process(tmp_path):
     saved.load_weights(tmp_path / "shared" / "model.weights.h5")
     for u, v in zip(saved.get_weights(), workers[0]["weights"]):
         np.testing.assert_array_equal(u, v)
+
+
+def test_two_workers_train_as_one_process(tmp_path):
+    _train_on_workers(tmp_path, per_worker=2)
+
+
+def test_two_workers_with_one_device_each_train_as_one_process(tmp_path):
+    # The launcher's case on a CPU machine (`keras-multigpu launch -n 2`): each worker has
+    # one device, so each replica's values reach the all-reduce with no PerReplica to name
+    # their device.
+    _train_on_workers(tmp_path, per_worker=1)
 
 
 def test_a_worker_that_never_joins_is_an_error(tmp_path):

@@ -100,16 +100,20 @@ def _gpus(text):
     )
 
 
-def _gpu_list(text):
+def _distinct_counts(text, what, example):
     try:
         counts = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         counts = []
     if not counts or min(counts) < 1 or len(set(counts)) != len(counts):
         raise argparse.ArgumentTypeError(
-            f"expected distinct device counts of at least 1, like 1,2,4; got {text!r}"
+            f"expected distinct {what} of at least 1, like {example}; got {text!r}"
         )
     return counts
+
+
+def _gpu_list(text):
+    return _distinct_counts(text, "device counts", "1,2,4")
 
 
 def _prepare_devices(gpus):
@@ -324,15 +328,7 @@ def cmd_compare(args):
 
 
 def _host_counts(text):
-    try:
-        counts = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        counts = []
-    if not counts or min(counts) < 1 or len(set(counts)) != len(counts):
-        raise argparse.ArgumentTypeError(
-            f"expected distinct host counts of at least 1, like 1,2,4,16; got {text!r}"
-        )
-    return counts
+    return _distinct_counts(text, "host counts", "1,2,4,16")
 
 
 def _parameter_count(text):

@@ -139,6 +139,24 @@ def list_devices():
     return [Device(i, "cpu", "CPU" if count == 1 else "virtual CPU") for i in range(count)]
 
 
+TIMEOUT_ENV = "KERAS_MULTIGPU_TIMEOUT"
+DEFAULT_TIMEOUT = 300
+
+
+def collective_timeout():
+    """Seconds a process waits for the others (to join, or in a collective): `KERAS_MULTIGPU_
+    TIMEOUT`, else 300. Every engine with several processes reads it here."""
+    raw = os.environ.get(TIMEOUT_ENV, str(DEFAULT_TIMEOUT))
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = 0.0
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds. Received: "
+                         f"{TIMEOUT_ENV}={raw!r}.")
+    return seconds
+
+
 def refuse_several_processes(engine):
     """Refuses a run started as several processes (WORLD_SIZE > 1) that the engine cannot
     join (TensorFlow without TF_CONFIG): each process would train its own copy of the model

@@ -63,8 +63,7 @@ logger = logging.getLogger(__name__)
 
 # Seconds a process waits for the others to join (and a non-first process for
 # the first one's save), as for the torch engine.
-TIMEOUT_ENV = "KERAS_MULTIGPU_TIMEOUT"
-DEFAULT_TIMEOUT = 300
+TIMEOUT_ENV = devices_lib.TIMEOUT_ENV
 
 
 # -- several processes: joining -------------------------------------------------
@@ -89,16 +88,7 @@ def _world():
     return int(raw) if raw.isdigit() and int(raw) > 0 else 1
 
 
-def _timeout():
-    raw = os.environ.get(TIMEOUT_ENV, str(DEFAULT_TIMEOUT))
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = 0.0
-    if not 0 < seconds < math.inf:
-        raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds. Received: "
-                         f"{TIMEOUT_ENV}={raw!r}.")
-    return seconds
+_timeout = devices_lib.collective_timeout
 
 
 def _launch_variables(world):

@@ -77,7 +77,9 @@ from keras_multigpu._io import atomic_path
 from keras_multigpu.backends import _rules as shared
 from keras_multigpu.devices import (
     CPU_DEVICES_ENV,
+    TIMEOUT_ENV,
     Device,
+    collective_timeout,
     cpu_device_count,
     refuse_several_processes,
 )
@@ -855,20 +857,9 @@ def _rules():
 # -- several workers (TF_CONFIG) ---------------------------------------------
 
 # Seconds a worker waits for the others (to join, at a save) before it fails.
-TIMEOUT_ENV = "KERAS_MULTIGPU_TIMEOUT"
-DEFAULT_TIMEOUT = 300
 
 
-def _timeout():
-    raw = os.environ.get(TIMEOUT_ENV, str(DEFAULT_TIMEOUT))
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = 0
-    if seconds <= 0:
-        raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds. Received: "
-                         f"{TIMEOUT_ENV}={raw!r}.")
-    return seconds
+_timeout = collective_timeout
 
 
 def _worker_count(spec):

@@ -56,6 +56,7 @@ from keras.src.optimizers import base_optimizer
 from keras.src.random import seed_generator
 from keras.src.saving import saving_api
 
+from keras_multigpu import devices as devices_lib
 from keras_multigpu import interrupt
 from keras_multigpu._io import atomic_path
 from keras_multigpu.backends import _rules as shared
@@ -63,8 +64,7 @@ from keras_multigpu.backends._marker import tag, untag  # noqa: F401 (the seam's
 from keras_multigpu.devices import Device, cpu_device_count
 
 # Seconds a collective may wait for the other processes before it fails.
-TIMEOUT_ENV = "KERAS_MULTIGPU_TIMEOUT"
-DEFAULT_TIMEOUT = 300
+TIMEOUT_ENV = devices_lib.TIMEOUT_ENV
 # Set to 0 to train on one device instead of relaunching `python script.py`.
 RELAUNCH_ENV = "KERAS_MULTIGPU_RELAUNCH"
 _LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -126,16 +126,7 @@ class Engine:
         return scope(self)
 
 
-def _timeout():
-    raw = os.environ.get(TIMEOUT_ENV, str(DEFAULT_TIMEOUT))
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = 0
-    if seconds <= 0:
-        raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds. Received: "
-                         f"{TIMEOUT_ENV}={raw!r}.")
-    return seconds
+_timeout = devices_lib.collective_timeout
 
 
 def _script_command():
