@@ -99,12 +99,23 @@ def _weights(path):
         return [loaded[k] for k in loaded.files]
 
 
+_WHOLE = {}
+
+
+def _whole(tmp_path_factory, backend):
+    """The uninterrupted run on `backend` (once per session): the weights and logs to equal."""
+    if backend not in _WHOLE:
+        folder = tmp_path_factory.mktemp(f"whole-{backend}")
+        whole = _run(folder, backend, folder / "ckpt", folder / "whole.npz")
+        assert whole.returncode == 0, whole.stderr[-3000:]
+        _WHOLE[backend] = folder / "whole.npz"
+    return _WHOLE[backend]
+
+
 def _stopped_and_resumed(tmp_path, backend, fault):
-    """The uninterrupted run, the stopped one and its resumption; their weights and logs."""
+    """The stopped run and its resumption."""
     if backend == "torch":
         pytest.importorskip("torch")
-    whole = _run(tmp_path, backend, tmp_path / "whole", tmp_path / "whole.npz")
-    assert whole.returncode == 0, whole.stderr[-3000:]
 
     stopped = _run(tmp_path, backend, tmp_path / "ckpt", tmp_path / "stopped.npz", fault)
     if fault == "die":
@@ -123,21 +134,25 @@ def _stopped_and_resumed(tmp_path, backend, fault):
 
 
 @pytest.mark.parametrize("backend", ["jax", "tensorflow", "torch"])
-def test_a_run_killed_mid_epoch_resumes_to_the_uninterrupted_weights(tmp_path, backend):
-    _check_resumed(tmp_path, backend, _stopped_and_resumed(tmp_path, backend, "die"))
+def test_a_run_killed_mid_epoch_resumes_to_the_uninterrupted_weights(
+        tmp_path, tmp_path_factory, backend):
+    resumed = _stopped_and_resumed(tmp_path, backend, "die")
+    _check_resumed(tmp_path, _whole(tmp_path_factory, backend), resumed)
 
 
-def test_a_ctrl_c_checkpoints_at_the_step_boundary_and_resumes_exactly(tmp_path):
+def test_a_ctrl_c_checkpoints_at_the_step_boundary_and_resumes_exactly(
+        tmp_path, tmp_path_factory):
     """A real SIGINT through the interrupt handler (the engine-independent path: JAX)."""
-    _check_resumed(tmp_path, "jax", _stopped_and_resumed(tmp_path, "jax", "ctrl-c"))
+    resumed = _stopped_and_resumed(tmp_path, "jax", "ctrl-c")
+    _check_resumed(tmp_path, _whole(tmp_path_factory, "jax"), resumed)
 
 
-def _check_resumed(tmp_path, backend, resumed):
+def _check_resumed(tmp_path, whole, resumed):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "Checkpoint: resuming from" in resumed.stdout + resumed.stderr
-    for a, b in zip(_weights(tmp_path / "whole.npz"), _weights(tmp_path / "resumed.npz")):
+    for a, b in zip(_weights(whole), _weights(tmp_path / "resumed.npz")):
         np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)
-    whole_logs = json.loads((tmp_path / "whole.npz.json").read_text())
+    whole_logs = json.loads(whole.with_name("whole.npz.json").read_text())
     resumed_logs = json.loads((tmp_path / "resumed.npz.json").read_text())
     # The resumed fit logs the epochs it ran: the interrupted one (its metrics before the
     # checkpoint restored, gathered from every process on torch) and those after it.

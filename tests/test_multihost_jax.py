@@ -202,8 +202,11 @@ def test_ctrl_c_on_one_process_stops_every_process_at_the_same_step(tmp_path):
             print("stopped after", int(parallel.optimizer.iterations), "steps", flush=True)
     """))
     port = _free_port()
+    # SIGINT at its default in them: a test run started in the background ignores it.
     processes = [subprocess.Popen([sys.executable, str(script)], env=_host(rank, 2, port, 1),
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  preexec_fn=lambda: signal.signal(signal.SIGINT,
+                                                                   signal.SIG_DFL))
                  for rank in range(2)]
     # Nothing may hang: a process that never gets ready is killed (its output then ends).
     watchdog = threading.Timer(120, lambda: [process.kill() for process in processes])
