@@ -102,5 +102,5 @@ def test_bad_flags_are_refused(capsys):
 
 def test_devices_lists_without_starting_anything(capsys):
     assert cli.main(["devices", "--json"]) == 0
-    listed = json.loads(capsys.readouterr().out)
+    listed = json.loads(capsys.readouterr().out)["devices"]
     assert [d["kind"] for d in listed] == ["cpu"] * 8

@@ -523,3 +523,5 @@ def _metric_state(model):
 
 def _plain(value):
     return value.item() if hasattr(value, "item") else value
+
+from keras_multigpu.monitor import DeviceMonitor  # noqa: E402, F401 - re-exported

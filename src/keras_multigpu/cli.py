@@ -240,14 +240,40 @@ def _config(args, gpus, output):
 
 
 def cmd_devices(args):
+    from keras_multigpu import monitor
+
     found = devices_lib.list_devices()
+    report = monitor.gpu_report()  # NVML only: no framework, no device memory
+    cpus = sum(d.kind == "cpu" for d in found)
     if args.json:
-        print(json.dumps([dataclasses.asdict(d) for d in found], indent=2))
+        print(json.dumps({"devices": [dataclasses.asdict(d) for d in found], **report,
+                          "cpu_devices": cpus}, indent=2))
         return 0
     for d in found:
         memory = f"{d.memory_bytes / 2**30:.1f} GiB" if d.memory_bytes else "-"
         print(f"{str(d):8} {d.name:32} {memory}")
+    if not report["gpus"]:
+        reason = report["nvml"] if report["nvml"] != "ok" else "no GPU visible"
+        print(f"No GPU found (NVML: {reason}); CPU devices: {cpus}")
+    for gpu in report["gpus"]:
+        print(_gpu_line(gpu))
     return 0
+
+
+def _gpu_line(gpu):
+    """One GPU's NVML facts on a line; '?' where NVML could not say (e.g. '? W')."""
+    def shown(value, form):
+        return form.replace("{:.0f}", "?").replace("{}", "?") if value is None else (
+            form.format(value))
+
+    used, total = gpu["memory_used_bytes"], gpu["memory_total_bytes"]
+    memory = "?" if used is None else f"{used / 2**30:.1f}/{total / 2**30:.1f} GiB"
+    links = gpu["nvlink"]
+    nvlink = "none" if links is None else f"{sum(links)}/{len(links)} links up"
+    return (f"gpu:{gpu['id']} {shown(gpu['name'], '{}')}: memory {memory}, util "
+            f"{shown(gpu['utilization_gpu'], '{}%')}, {shown(gpu['temperature_c'], '{} C')}, "
+            f"{shown(gpu['power_w'], '{:.0f} W')}, PCIe gen {shown(gpu['pcie_generation'], '{}')}"
+            f" x{shown(gpu['pcie_width'], '{}')}, NVLink {nvlink}")
 
 
 def _verdict(accuracy, target):
@@ -482,7 +508,8 @@ def build_parser():
     def command(name, text):
         return sub.add_parser(name, help=text, description=text, formatter_class=_Formatter)
 
-    devices = command("devices", "list the devices (starts no framework)")
+    devices = command("devices", "list the devices with NVML's memory, utilisation, "
+                                 "temperature, power and links (starts no framework)")
     devices.add_argument("--json", action="store_true",
                          help="print JSON instead of a table (default: a table)")
     devices.set_defaults(func=cmd_devices)
