@@ -108,6 +108,19 @@ def atomic_path(filepath, suffix=""):
             os.remove(tmp)
 
 
+def writable_folder(folder, what, advice):
+    """Creates `folder` if needed and checks that a file can be written in it, before any
+    work depends on it. Raises `OSError` as `"{what}: {reason}. {advice}"`."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        probe = os.path.join(folder, f".write-test-{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as error:
+        raise OSError(error.errno, f"{what}: {error.strerror}. {advice}") from error
+
+
 def unreadable(filepath, error):
     """A clear error for a Keras file that exists but cannot be read."""
     size = os.path.getsize(filepath)

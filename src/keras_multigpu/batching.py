@@ -337,7 +337,7 @@ class PaddedBatches(keras.utils.PyDataset):
         )
 
 
-def _generator_state(rng):
+def generator_state(rng):
     """A generator's state as plain data (NumPy's RandomState, Python's Random)."""
     if hasattr(rng, "get_state"):  # a RandomState, or NumPy's global one (np.random)
         kind, keys, pos, has_gauss, gauss = rng.get_state()
@@ -353,7 +353,7 @@ def _tupled(value):
     return tuple(_tupled(v) for v in value) if isinstance(value, list) else value
 
 
-def _set_generator_state(rng, state):
+def set_generator_state(rng, state):
     if "numpy" in state:
         kind, keys, pos, has_gauss, gauss = state["numpy"]
         rng.set_state((kind, np.asarray(keys, "uint32"), pos, has_gauss, gauss))
@@ -414,7 +414,7 @@ class ArrayBatches(PaddedBatches):
 
     def _generators(self):
         """States of the generators a pass draws from: this dataset's, and the engine's."""
-        state = _generator_state(self.rng) if hasattr(self.rng, "get_state") else {}
+        state = generator_state(self.rng) if hasattr(self.rng, "get_state") else {}
         get_state = getattr(self.passes, "get_state", None)
         if get_state is not None:
             state["engine"] = get_state()
@@ -422,7 +422,7 @@ class ArrayBatches(PaddedBatches):
 
     def _set_generators(self, state):
         if state.get("numpy") is not None and hasattr(self.rng, "set_state"):
-            _set_generator_state(self.rng, state)
+            set_generator_state(self.rng, state)
         if state.get("engine") is not None and hasattr(self.passes, "set_state"):
             self.passes.set_state(state["engine"])
 
@@ -590,7 +590,7 @@ class WrappedPyDataset(PaddedBatches):
         if self.skip:
             self._resume_generators = generators  # restored as the pass draws (see ArrayBatches)
         elif generators is not None:
-            _set_generator_state(self.rng, generators)
+            set_generator_state(self.rng, generators)
 
     def _position(self, index):
         if not self.shuffle:
@@ -601,9 +601,9 @@ class WrappedPyDataset(PaddedBatches):
             # epoch's end and drawn by whichever fetch comes first.
             if self.order is None or (index == self.skip and not self._threaded):
                 if getattr(self, "_resume_generators", None) is not None:
-                    _set_generator_state(self.rng, self._resume_generators)
+                    set_generator_state(self.rng, self._resume_generators)
                     self._resume_generators = None
-                self._pass_state = _generator_state(self.rng) if hasattr(
+                self._pass_state = generator_state(self.rng) if hasattr(
                     self.rng, "getstate") else None
                 order = list(range(self.dataset.num_batches))
                 self.rng.shuffle(order)

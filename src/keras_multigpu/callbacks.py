@@ -13,7 +13,7 @@ import keras
 import numpy as np
 from keras.src.utils import io_utils
 
-from keras_multigpu import _io
+from keras_multigpu import _io, batching
 
 
 class EpochStats(keras.callbacks.Callback):
@@ -278,17 +278,8 @@ class Checkpoint(keras.callbacks.Callback):
     # -- writing ---------------------------------------------------------
 
     def _prepare_directory(self):
-        try:
-            os.makedirs(self.directory, exist_ok=True)
-            probe = os.path.join(self.directory, f".write-test-{os.getpid()}")
-            with open(probe, "w"):
-                pass
-            os.remove(probe)
-        except OSError as error:
-            raise OSError(
-                error.errno, f"Checkpoint cannot write to {self.directory}: {error.strerror}. "
-                "Pass a folder this process can write to."
-            ) from error
+        _io.writable_folder(self.directory, f"Checkpoint cannot write to {self.directory}",
+                            "Pass a folder this process can write to.")
         for name in os.listdir(self.directory):
             if _dead_leftover(name):
                 shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
@@ -302,17 +293,14 @@ class Checkpoint(keras.callbacks.Callback):
             generators, order = now, None
         else:
             generators, order = position["generators"], position["order"]
-        python_kind, python_state, python_gauss = random.getstate()
-        numpy_state = np.random.get_state()
         state = {
             "format": CHECKPOINT_FORMAT,
             "epoch": int(epoch), "step": int(step), "global_step": int(self._global),
             "num_batches": None if dataset is None else int(dataset.num_batches + dataset.skip),
             "replicas": model.num_replicas,
             "data": {"generators": generators, "now": now},
-            "random": {"python": [python_kind, list(python_state), python_gauss],
-                       "numpy": [numpy_state[0], numpy_state[1].tolist(), *map(
-                           _plain, numpy_state[2:])]},
+            "random": {**batching.generator_state(random),
+                       **batching.generator_state(np.random)},
         }
         arrays = {}
         if order:
@@ -403,10 +391,8 @@ class Checkpoint(keras.callbacks.Callback):
 
                 global_generator = global_seed_generator()
             global_generator.state.assign(arrays["seed_global"])
-        kind, values, gauss = state["random"]["python"]
-        random.setstate((kind, tuple(values), gauss))
-        kind, keys, pos, has_gauss, cached = state["random"]["numpy"]
-        np.random.set_state((kind, np.asarray(keys, "uint32"), pos, has_gauss, cached))
+        batching.set_generator_state(random, {"python": state["random"]["python"]})
+        batching.set_generator_state(np.random, {"numpy": state["random"]["numpy"]})
         epoch, step = state["epoch"], state["step"]
         if step >= batches:  # an epoch's end: the next begins afresh
             epoch, step = epoch + 1, 0
@@ -520,8 +506,5 @@ def _metric_state(model):
         return gather(variables)
     return [_numpy(v) for v in variables]
 
-
-def _plain(value):
-    return value.item() if hasattr(value, "item") else value
 
 from keras_multigpu.monitor import DeviceMonitor  # noqa: E402, F401 - re-exported

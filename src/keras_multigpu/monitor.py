@@ -397,16 +397,8 @@ class DeviceMonitor(keras.callbacks.Callback):
     # -- set-up --------------------------------------------------------------
 
     def _check_writable(self):
-        try:
-            os.makedirs(self.log_dir, exist_ok=True)
-            probe = os.path.join(self.log_dir, f".monitor-probe-{os.getpid()}")
-            with open(probe, "w"):
-                pass
-            os.remove(probe)
-        except OSError as error:
-            raise OSError(error.errno, f"DeviceMonitor cannot write to log_dir="
-                                       f"{self.log_dir!r}: {error.strerror}. Choose a writable "
-                                       "folder.") from error
+        _io.writable_folder(self.log_dir, f"DeviceMonitor cannot write to log_dir="
+                                          f"{self.log_dir!r}", "Choose a writable folder.")
 
     def _rank(self):
         backend = getattr(self.model, "_backend", None)
