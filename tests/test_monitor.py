@@ -18,6 +18,7 @@ import pytest
 
 import keras_multigpu as kmg
 from keras_multigpu import cli, devices, monitor
+from keras_multigpu import nvml as nvml_lib
 from keras_multigpu.callbacks import DeviceMonitor
 
 
@@ -139,7 +140,7 @@ def test_devices_table_shows_the_nvml_facts(nvml, capsys):
 
 
 def test_sampler_reads_gpm_where_supported_and_none_elsewhere(nvml):
-    sampler = monitor._Sampler(nvml(), 0.5, time.perf_counter())
+    sampler = nvml_lib.Sampler(nvml(), 0.5, time.perf_counter())
     sampler.sample()
     sampler.sample()
     by_device = {row[1]: row for row in sampler.rows[-3:]}
@@ -150,7 +151,7 @@ def test_sampler_reads_gpm_where_supported_and_none_elsewhere(nvml):
 
 
 def test_verdict_names_the_lagging_device(nvml):
-    sampler = monitor._Sampler(nvml(utils=(92, 90, 40)), 0.5, time.perf_counter())
+    sampler = nvml_lib.Sampler(nvml(utils=(92, 90, 40)), 0.5, time.perf_counter())
     for _ in range(3):
         sampler.sample()
     steps = [(i, 0, 0.1, 10.0) for i in range(10)]

@@ -240,10 +240,10 @@ def _config(args, gpus, output):
 
 
 def cmd_devices(args):
-    from keras_multigpu import monitor
+    from keras_multigpu import nvml
 
     found = devices_lib.list_devices()
-    report = monitor.gpu_report()  # NVML only: no framework, no device memory
+    report = nvml.gpu_report()  # NVML only: no framework, no device memory
     cpus = sum(d.kind == "cpu" for d in found)
     if args.json:
         print(json.dumps({"devices": [dataclasses.asdict(d) for d in found], **report,

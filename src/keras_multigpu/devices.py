@@ -64,36 +64,17 @@ def cpu_device_count():
     return count
 
 
-def _visible_gpu_indices(count):
-    """NVML indices that CUDA_VISIBLE_DEVICES leaves visible, in its order."""
-    raw = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if raw is None:
-        return list(range(count))
-    indices = []
-    for item in raw.split(","):
-        item = item.strip()
-        if not item.isdigit():
-            # UUIDs or MIG names: NVML order cannot be matched cheaply, and
-            # a wrong guess is worse than reporting all of them.
-            return list(range(count)) if item else indices
-        if int(item) < count:
-            indices.append(int(item))
-    return indices
-
-
 def _nvml_gpus():
+    from keras_multigpu import nvml
+
     try:
-        import pynvml
-    except ImportError:
-        return []
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError:
-        return []  # No driver: a CPU-only machine.
+        pynvml = nvml.open_nvml()
+    except nvml.NvmlUnavailable:
+        return []  # No driver or no nvidia-ml-py: a CPU-only machine.
     try:
         gpus = []
         count = pynvml.nvmlDeviceGetCount()
-        for visible_id, index in enumerate(_visible_gpu_indices(count)):
+        for visible_id, index in enumerate(nvml.visible_indices(count)):
             handle = pynvml.nvmlDeviceGetHandleByIndex(index)
             name = pynvml.nvmlDeviceGetName(handle)
             if isinstance(name, bytes):

@@ -1,15 +1,12 @@
 """Watching the devices while a model trains, and saying what held it back.
 
-Two questions come up on every multi-GPU run: "what are my GPUs?" and "are
-they busy, or waiting for data?". `gpu_report()` answers the first through
-NVML (nvidia-ml-py), which, unlike a framework, creates no CUDA context and
-allocates no device memory; `keras-multigpu devices` prints it.
-`DeviceMonitor` answers the second: a thread samples each GPU's utilisation
-(and, through NVML's GPM counters on Hopper and later, the share of SMs that
-were busy, which "utilisation" overstates: one kernel on one SM counts as
-100%), while the callback times, on the host, each step and the part of it
-spent producing the batch. At the end of `fit` it writes `timeline.csv`,
-`steps.csv` and `monitor.png`, and prints a verdict with its evidence.
+"Are my GPUs busy, or waiting for data?" `DeviceMonitor` answers it: a
+thread (`nvml.Sampler`) samples each GPU's utilisation, SM activity where
+NVML's GPM counters exist, and memory, while the callback times, on the
+host, each step and the part of it spent producing the batch. At the end of
+`fit` it writes `timeline.csv`, `steps.csv` and `monitor.png`, and prints a
+verdict with its evidence (`verdict()`); with several processes, every
+process's step figures reach process 0, which alone writes.
 
 Why the data time is measured where the batch is made: Keras fetches the
 next batch *inside* the step call (`train_function(iterator)`), so the gap
@@ -36,7 +33,7 @@ import keras
 from keras.src.utils import io_utils
 
 from keras_multigpu import _io
-from keras_multigpu import devices as devices_lib
+from keras_multigpu import nvml as nvml_lib
 
 logger = logging.getLogger(__name__)
 
@@ -44,188 +41,6 @@ HIGHLY_INPUT_BOUND = 0.20  # xprof's threshold for "highly input-bound"
 MODERATELY_INPUT_BOUND = 0.05
 LAG_POINTS = 25.0  # mean utilisation gap, in percentage points, between devices
 BUSY_UTILISATION = 70.0
-
-
-class NvmlUnavailable(RuntimeError):
-    """NVML cannot be used here: no library, no driver, or no permission."""
-
-
-def _nvml():
-    """Returns pynvml, initialised; the caller must `nvmlShutdown()` it."""
-    try:
-        import pynvml
-    except ImportError as error:
-        raise NvmlUnavailable(f"nvidia-ml-py is not installed ({error})") from error
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError as error:
-        raise NvmlUnavailable(str(error) or type(error).__name__) from error
-    return pynvml
-
-
-def _field(nvml, name, *args):
-    """`nvml.<name>(*args)`, or None where this GPU, driver or pynvml lacks it.
-
-    One missing field (power on a laptop GPU, NVLink on a PCIe card) must not
-    hide the others, hence a guard per field.
-    """
-    function = getattr(nvml, name, None)
-    if function is None:
-        return None
-    try:
-        return function(*args)
-    except nvml.NVMLError:
-        return None
-
-
-def _nvlink(nvml, handle):
-    """Per-link state (True: active) up to the first link NVML refuses; None without NVLink."""
-    links = []
-    for link in range(getattr(nvml, "NVML_NVLINK_MAX_LINKS", 18)):
-        state = _field(nvml, "nvmlDeviceGetNvLinkState", handle, link)
-        if state is None:
-            break
-        links.append(bool(state))
-    return links or None
-
-
-def _gpu_facts(nvml, visible_id, handle):
-    name = _field(nvml, "nvmlDeviceGetName", handle)
-    memory = _field(nvml, "nvmlDeviceGetMemoryInfo", handle)
-    rates = _field(nvml, "nvmlDeviceGetUtilizationRates", handle)
-    power = _field(nvml, "nvmlDeviceGetPowerUsage", handle)  # milliwatts
-    return {
-        "id": visible_id,
-        "name": name.decode() if isinstance(name, bytes) else name,
-        "memory_used_bytes": None if memory is None else int(memory.used),
-        "memory_total_bytes": None if memory is None else int(memory.total),
-        "utilization_gpu": None if rates is None else int(rates.gpu),
-        "temperature_c": _field(nvml, "nvmlDeviceGetTemperature", handle,
-                                getattr(nvml, "NVML_TEMPERATURE_GPU", 0)),
-        "power_w": None if power is None else power / 1000.0,
-        "pcie_generation": _field(nvml, "nvmlDeviceGetCurrPcieLinkGeneration", handle),
-        "pcie_width": _field(nvml, "nvmlDeviceGetCurrPcieLinkWidth", handle),
-        "nvlink": _nvlink(nvml, handle),
-    }
-
-
-def gpu_report():
-    """What NVML says about each visible GPU, without touching device memory.
-
-    Returns:
-        `{"nvml": "ok" | "unavailable: <reason>", "gpus": [...]}`, one dict
-        per GPU that `CUDA_VISIBLE_DEVICES` leaves visible (ids renumbered
-        from 0, as the frameworks do) with `name`, `memory_used_bytes`,
-        `memory_total_bytes`, `utilization_gpu` (%), `temperature_c`,
-        `power_w`, `pcie_generation`, `pcie_width` and `nvlink` (a list of
-        per-link states); a field NVML cannot give is None.
-    """
-    try:
-        nvml = _nvml()
-    except NvmlUnavailable as error:
-        return {"nvml": f"unavailable: {error}", "gpus": []}
-    try:
-        count = nvml.nvmlDeviceGetCount()
-        gpus = []
-        for visible_id, index in enumerate(devices_lib._visible_gpu_indices(count)):
-            handle = _field(nvml, "nvmlDeviceGetHandleByIndex", index)
-            if handle is not None:
-                gpus.append(_gpu_facts(nvml, visible_id, handle))
-        return {"nvml": "ok", "gpus": gpus}
-    except nvml.NVMLError as error:
-        return {"nvml": f"unavailable: {error}", "gpus": []}
-    finally:
-        _field(nvml, "nvmlShutdown")
-
-
-# -- sampling ----------------------------------------------------------------
-
-
-class _Gpm:
-    """SM activity of one GPU from two GPM samples (NVML's GPM API, Hopper and later).
-
-    GPM metrics are rates between two samples, so each reading swaps the
-    newer sample in. Any NVML error turns it off for good: it is optional.
-    """
-
-    def __init__(self, nvml, handle):
-        self.nvml, self.handle, self.on = nvml, handle, False
-        support = _field(nvml, "nvmlGpmQueryDeviceSupport", handle)
-        if support is None or not getattr(support, "isSupportedDevice", 0):
-            return
-        try:
-            self.samples = [nvml.nvmlGpmSampleAlloc(), nvml.nvmlGpmSampleAlloc()]
-            nvml.nvmlGpmSampleGet(handle, self.samples[0])
-            self.on = True
-        except (nvml.NVMLError, AttributeError):
-            pass
-
-    def read(self):
-        """`(sm_util, sm_occupancy)` in % since the last read, or `(None, None)`."""
-        if not self.on:
-            return None, None
-        nvml = self.nvml
-        try:
-            nvml.nvmlGpmSampleGet(self.handle, self.samples[1])
-            request = nvml.c_nvmlGpmMetricsGet_t()
-            request.version = nvml.NVML_GPM_METRICS_GET_VERSION
-            request.numMetrics = 2
-            request.sample1, request.sample2 = self.samples
-            request.metrics[0].metricId = nvml.NVML_GPM_METRIC_SM_UTIL
-            request.metrics[1].metricId = nvml.NVML_GPM_METRIC_SM_OCCUPANCY
-            nvml.nvmlGpmMetricsGet(request)
-            self.samples.reverse()
-            return float(request.metrics[0].value), float(request.metrics[1].value)
-        except (nvml.NVMLError, AttributeError):
-            self.on = False
-            return None, None
-
-    def close(self):
-        for sample in getattr(self, "samples", []):
-            _field(self.nvml, "nvmlGpmSampleFree", sample)
-
-
-class _Sampler(threading.Thread):
-    """Reads every visible GPU each `interval` seconds into `rows`.
-
-    A daemon thread: NVML calls take microseconds and release the GIL, so
-    the training thread hardly notices it.
-    """
-
-    def __init__(self, nvml, interval, clock_zero):
-        super().__init__(name="DeviceMonitor", daemon=True)
-        self.nvml, self.interval, self.zero = nvml, interval, clock_zero
-        indices = devices_lib._visible_gpu_indices(nvml.nvmlDeviceGetCount())
-        self.handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in indices]
-        self.gpm = [_Gpm(nvml, h) for h in self.handles]
-        self.rows = []  # (seconds, device, util %, sm activity %, sm occupancy %, memory bytes)
-        self.error = None
-        self._halt = threading.Event()
-
-    def sample(self):
-        now = time.perf_counter() - self.zero
-        for device, (handle, gpm) in enumerate(zip(self.handles, self.gpm)):
-            rates = _field(self.nvml, "nvmlDeviceGetUtilizationRates", handle)
-            memory = _field(self.nvml, "nvmlDeviceGetMemoryInfo", handle)
-            sm_util, occupancy = gpm.read()
-            self.rows.append((now, device, None if rates is None else float(rates.gpu),
-                              sm_util, occupancy, None if memory is None else int(memory.used)))
-
-    def run(self):
-        try:
-            self.sample()
-            while not self._halt.wait(self.interval):
-                self.sample()
-        except Exception as error:  # noqa: BLE001 - a broken sampler must not end training
-            self.error = error
-
-    def stop(self):
-        self._halt.set()
-        if self.is_alive():
-            self.join(timeout=max(2.0, 4 * self.interval))
-        for gpm in self.gpm:
-            gpm.close()
-        _field(self.nvml, "nvmlShutdown")
 
 
 class _Timed:
@@ -406,14 +221,14 @@ class DeviceMonitor(keras.callbacks.Callback):
 
     def _start_sampler(self):
         try:
-            nvml = _nvml()
-        except NvmlUnavailable as error:
+            nvml = nvml_lib.open_nvml()
+        except nvml_lib.NvmlUnavailable as error:
             io_utils.print_msg(f"DeviceMonitor: NVML unavailable ({error}); step timing only")
             return
         try:
-            self._sampler = _Sampler(nvml, self.interval, self._zero)
+            self._sampler = nvml_lib.Sampler(nvml, self.interval, self._zero)
         except Exception as error:  # noqa: BLE001 - any NVML failure: time steps only
-            _field(nvml, "nvmlShutdown")
+            nvml_lib.field(nvml, "nvmlShutdown")
             io_utils.print_msg(f"DeviceMonitor: NVML unavailable ({error}); step timing only")
             return
         self._sampler.start()
