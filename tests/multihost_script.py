@@ -55,8 +55,9 @@ def run(gpus, out):
     parallel = kmg.multi_gpu_model(model, gpus=gpus)
     parallel.compile(optimizer=keras.optimizers.Adam(0.01),
                      loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    watch = kmg.callbacks.DeviceMonitor(f"{out}-monitor")
     history = parallel.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=True, verbose=0,
-                           validation_data=(val_x, val_y))
+                           validation_data=(val_x, val_y), callbacks=[watch])
     predictions = parallel.predict(test_x, batch_size=10, verbose=0)
     evaluation = parallel.evaluate(val_x, val_y, batch_size=10, verbose=0, return_dict=True)
     path = os.path.join(out, "model.keras")
@@ -71,6 +72,7 @@ def run(gpus, out):
         "replicas": parallel.num_replicas,
         "processes": kmg.backends.current().process_count(),
         "rank": kmg.backends.current().process_index(),
+        "monitor": watch.ranks,
     }
 
 
@@ -78,7 +80,8 @@ def flatten(name, result):
     arrays = {f"{name}/weight{i}": w for i, w in enumerate(result["weights"])}
     arrays.update({f"{name}/loaded{i}": w for i, w in enumerate(result["loaded"])})
     arrays[f"{name}/predictions"] = result["predictions"]
-    meta = {k: result[k] for k in ("history", "evaluation", "replicas", "processes", "rank")}
+    meta = {k: result[k] for k in ("history", "evaluation", "replicas", "processes", "rank",
+                                   "monitor")}
     arrays[f"{name}/meta"] = np.array(json.dumps(meta))
     return arrays
 

@@ -308,6 +308,29 @@ def test_callbacks_checkpoint_and_early_stopping(tmp_path):
 
 
 @pytest.mark.ranks(2)
+def test_device_monitor_times_this_engine_and_gathers_every_process(tmp_path):
+    from keras_multigpu.callbacks import DeviceMonitor
+
+    watch = DeviceMonitor(tmp_path / "mon", interval=0.05)
+    _train(2, 99, 25, callbacks=[watch])
+    found = watch.verdict
+    assert found["evidence"]["steps"] == 7  # 2 epochs of 4 steps, the first one left out
+    assert found["evidence"]["data_measured"] == "dataset"  # batch production, timed
+    assert found["input"] in ("no", "moderately", "highly")
+    engine = backends.current()
+    if engine.process_count() > 1:  # torch: one process per device
+        assert [r["rank"] for r in watch.ranks] == [0, 1]  # every process's figures, everywhere
+        assert all(r["steps"] == 7 and r["step_ms"] > 0 for r in watch.ranks)
+    else:
+        assert watch.ranks is None
+    if engine.process_index() == 0:  # only process 0 writes
+        names = {"steps.csv", "timeline.csv", "monitor.png"}
+        if engine.process_count() > 1:
+            names.add("ranks.csv")
+        assert names <= {p.name for p in (tmp_path / "mon").iterdir()}
+
+
+@pytest.mark.ranks(2)
 def test_wrapping_twice_and_the_template_alone_after(tmp_path):
     model, target, _ = _train(2, 99, 25)
     again = kmg.multi_gpu_model(target, gpus=2 if BACKEND == "torch" else 3)

@@ -158,7 +158,68 @@ def test_verdict_names_the_lagging_device(nvml):
     found = monitor.verdict(steps, sampler.rows, "dataset", gpus=3)
     assert found["lagging_device"] == 2 and found["input"] == "no"
     assert any("one device lags: gpu:2 averages 40%" in line for line in found["lines"])
-    assert found["communication"] == "not measurable from host timing"
+    assert found["communication"] == "not estimated"  # no link given: one device
+
+
+def test_links_come_from_nvlink_where_up_else_pcie(nvml):
+    sampler = nvml_lib.Sampler(nvml(), 0.5, time.perf_counter())
+    assert sampler.links[0][0] == "NVLink 4 x2" and sampler.links[0][1] == 50e9
+    assert sampler.links[2][0] == "PCIe Gen5 x16"  # its NVLink queries fail
+    assert sampler.links[2][1] == pytest.approx(0.78 * 3.938e9 * 16)
+    assert sampler.uuids == [None, None, None]  # the fake has no UUIDs
+    sampler.stop()
+
+
+class Replicated:
+    """What `communication_estimate` reads of a model: replicas and trainable variables."""
+
+    def __init__(self, replicas, parameters):
+        self.num_replicas = replicas
+        self.trainable_variables = [keras.Variable(np.zeros(parameters, "float32"))]
+
+
+@pytest.mark.parametrize("step_ms, bound", [(1.0, "communication"), (100.0, "compute")])
+def test_communication_is_estimated_from_the_gradient_and_the_slowest_link(step_ms, bound):
+    links = [("NVLink 4 x18", 450e9, 5e-6), ("PCIe Gen4 x16", 25e9, 10e-6)]
+    estimate = monitor.communication_estimate(Replicated(4, 25_000_000), links)
+    # ring all-reduce of 100 MB over 4 replicas on the slower link: 2 * 3/4 * 100e6 / 25e9 s
+    assert estimate["link"] == "PCIe Gen4 x16"
+    assert estimate["ms"] == pytest.approx(1000 * (1.5 * 100e6 / 25e9 + 6 * 10e-6))
+    assert monitor.communication_estimate(Replicated(1, 10), links) is None  # one device
+    assert monitor.communication_estimate(Replicated(4, 10), [None, links[0]]) is None
+    steps = [(i, 0, 0.0, step_ms) for i in range(5)]
+    found = monitor.verdict(steps, [], "dataset", gpus=0, communication=estimate)
+    assert found["bound"] == bound
+    assert found["communication"] == ("bound" if bound == "communication" else "not bound")
+    assert any(line.startswith("communication (estimated, not measured)")
+               for line in found["lines"])
+
+
+def ranks(*data_ms, step_ms=10.0):
+    return [{"rank": r, "host": f"node{r // 2}", "steps": 9, "data_ms": d, "step_ms": step_ms,
+             "measured": "dataset"} for r, d in enumerate(data_ms)]
+
+
+def test_the_slowest_process_sets_the_input_verdict_and_is_named():
+    steps = [(i, 0, 0.1, 10.0) for i in range(10)]  # process 0 is quick
+    found = monitor.verdict(steps, [], "dataset", ranks=ranks(0.1, 0.2, 4.0, 0.1))
+    assert found["input"] == "highly" and found["evidence"]["data_rank"] == 2
+    assert found["lagging_rank"] == 2
+    assert any("one process lags: rank 2 (node1) takes 4.0 ms" in line
+               for line in found["lines"])
+    even = monitor.verdict(steps, [], "dataset", ranks=ranks(0.1, 0.2, 0.15, 0.1))
+    assert even["input"] == "no" and even["lagging_rank"] is None
+
+
+def test_every_gpu_joins_the_timeline_once():
+    first = {"host": "a", "uuids": ["GPU-0", "GPU-1"], "links": [None, None],
+             "timeline": [[0.0, 0, 90.0, None, None, 1], [0.0, 1, 80.0, None, None, 1]]}
+    same_host = {**first, "timeline": [[0.5, 0, 10.0, None, None, 1]]}  # GPU-0 again
+    other = {"host": "b", "uuids": [None], "links": [["PCIe Gen4 x16", 25e9, 1e-5]],
+             "timeline": [[0.2, 0, 70.0, None, None, 1]]}
+    timeline, links = monitor._merge_hosts([first, same_host, other])
+    assert [(row[1], row[2]) for row in timeline] == [(0, 90.0), (1, 80.0), (2, 70.0)]
+    assert links == [None, None, ("PCIe Gen4 x16", 25e9, 1e-5)]
 
 
 @pytest.mark.parametrize("data_ms, level", [(0.1, "no"), (1.0, "moderately"), (3.0, "highly")])
@@ -220,15 +281,30 @@ def test_worker_threads_time_is_kept_apart_as_an_upper_bound(tmp_path, nvml):
     assert "upper bound" in watch.verdict["lines"][0]
 
 
-def test_tensorboard_receives_the_scalars(tmp_path, nvml):
+@pytest.mark.parametrize("given", [True, False])
+@pytest.mark.parametrize("plain", [True, False])
+def test_tensorboard_receives_the_scalars(tmp_path, nvml, given, plain):
     pytest.importorskip("tensorflow")
     nvml()
     board = keras.callbacks.TensorBoard(tmp_path / "tb")
-    watch = DeviceMonitor(tmp_path / "mon", interval=0.05, tensorboard=board)
+    # Not given: found among the fit's callbacks, for a plain Keras model too.
+    watch = DeviceMonitor(tmp_path / "mon", interval=0.05, tensorboard=board if given else None)
+    if plain:
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2, activation="softmax")])
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    else:
+        model = small_model()
     x = np.zeros((32, 8), "float32")
-    small_model().fit(x, np.zeros(32), batch_size=16, epochs=1, verbose=0,
-                      callbacks=[board, watch])
+    model.fit(x, np.zeros(32), batch_size=16, epochs=1, verbose=0, callbacks=[board, watch])
     assert list((tmp_path / "tb" / "devices").glob("events.out.tfevents.*"))
+
+
+def test_no_tensorboard_no_scalars(tmp_path, nvml):
+    nvml()
+    watch = DeviceMonitor(tmp_path / "mon", interval=0.05)
+    small_model().fit(np.zeros((32, 8), "float32"), np.zeros(32), batch_size=16, epochs=1,
+                      verbose=0, callbacks=[watch])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mon"]
 
 
 def test_resident_arrays_with_real_compute_are_not_highly_input_bound(tmp_path, nvml, capsys):

@@ -141,6 +141,15 @@ def test_only_process_zero_writes_and_every_process_reads(runs):
             np.testing.assert_array_equal(result[f"all/loaded{i}"], result[f"all/weight{i}"])
 
 
+def test_every_process_figures_reach_process_zero_which_alone_writes_them(runs):
+    for result in runs["ranks"]:  # DeviceMonitor's gather: on every process
+        ranks = _meta(result, "all")["monitor"]
+        assert [r["rank"] for r in ranks] == [0, 1]
+        assert all(r["steps"] == 7 and r["measured"] == "dataset" for r in ranks)
+    assert _meta(runs["single"], "all")["monitor"] is None  # one process: nothing to gather
+    assert (runs["dir"] / "all-monitor" / "ranks.csv").is_file()
+
+
 def test_a_choice_of_devices_that_leaves_a_process_idle_is_refused(runs):
     for result in runs["ranks"]:
         message = str(result["idle"])

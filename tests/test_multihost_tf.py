@@ -52,7 +52,9 @@ model = keras.Sequential([
 ])
 parallel = keras_multigpu.multi_gpu_model(model)
 parallel.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"])
-history = parallel.fit(x, y, batch_size=25, epochs=2, verbose=0)  # 25 % 4 != 0; shuffled
+watch = keras_multigpu.callbacks.DeviceMonitor(os.path.join(shared, "monitor"))
+history = parallel.fit(x, y, batch_size=25, epochs=2, verbose=0,  # 25 % 4 != 0; shuffled
+                       callbacks=[watch])
 evaluation = parallel.evaluate(x, y, batch_size=25, verbose=0)
 prediction = parallel.predict(x[:11], batch_size=25, verbose=0)
 index = parallel._backend.process_index()
@@ -65,6 +67,7 @@ with open(os.path.join(out, f"result-{index}.json"), "w") as f:
         "replicas": parallel.num_replicas, "devices": len(parallel.devices),
         "index": index, "count": parallel._backend.process_count(), "writes": len(writes),
         "saved": os.path.exists(os.path.join(shared, "model.weights.h5")),
+        "monitor": watch.ranks, "monitor_steps": watch.verdict["evidence"]["steps"],
     }, f)
 """
 
@@ -172,6 +175,12 @@ def _train_on_workers(tmp_path, per_worker):
     # Worker 0 alone wrote the weights file; worker 1's save returned once it was there.
     assert [w["writes"] for w in workers] == [1, 0]
     assert [w["saved"] for w in workers] == [True, True]
+    # DeviceMonitor: every worker's step figures reached every worker; worker 0 wrote them.
+    for worker in workers:
+        assert [r["rank"] for r in worker["monitor"]] == [0, 1]
+        assert all(r["steps"] == worker["monitor_steps"] == 7 for r in worker["monitor"])
+    with open(tmp_path / "shared" / "monitor" / "ranks.csv") as f:
+        assert [line.split(",")[0] for line in f.read().split()] == ["rank", "0", "1"]
     saved = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16),
                               keras.layers.BatchNormalization(),
                               keras.layers.Activation("relu"), keras.layers.Dense(1)])

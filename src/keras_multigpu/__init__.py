@@ -22,7 +22,7 @@ _GIVEN_BACKEND = _os.environ.get("KERAS_BACKEND")  # `launch` passes the user's 
 _os.environ.setdefault("KERAS_BACKEND", "jax")
 
 from keras_multigpu import backends as _backends  # noqa: E402
-from keras_multigpu import schedules  # noqa: E402
+from keras_multigpu import callbacks, schedules  # noqa: E402
 from keras_multigpu.devices import Device, list_devices  # noqa: E402
 from keras_multigpu.devices import cpu_device_count as _cpu_device_count  # noqa: E402
 from keras_multigpu.parallel import ParallelModel, multi_gpu_model  # noqa: E402
@@ -30,7 +30,8 @@ from keras_multigpu.parallel import ParallelModel, multi_gpu_model  # noqa: E402
 __version__ = "0.1.0"
 
 __all__ = [
-    "Device", "ParallelModel", "list_devices", "multi_gpu_model", "schedules", "__version__",
+    "Device", "ParallelModel", "callbacks", "list_devices", "multi_gpu_model", "schedules",
+    "__version__",
 ]
 
 if "LOCAL_RANK" in _os.environ or "TF_CONFIG" in _os.environ:

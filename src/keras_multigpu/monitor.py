@@ -25,11 +25,15 @@ verdict uses, are the wall time.
 
 import csv
 import logging
+import math
 import os
+import socket
+import sys
 import threading
 import time
 
 import keras
+import numpy as np
 from keras.src.utils import io_utils
 
 from keras_multigpu import _io
@@ -41,6 +45,12 @@ HIGHLY_INPUT_BOUND = 0.20  # xprof's threshold for "highly input-bound"
 MODERATELY_INPUT_BOUND = 0.05
 LAG_POINTS = 25.0  # mean utilisation gap, in percentage points, between devices
 BUSY_UTILISATION = 70.0
+# An all-reduce estimated at >= 20% of the step: as xprof's highly input-bound, a fifth of
+# the step is where adding devices stops paying (efficiency <= 80% without overlap).
+COMMUNICATION_BOUND = 0.20
+MAX_GATHERED_ROWS = 20_000  # device samples a process sends process 0 (thinned beyond)
+RANK_FIELDS = ("rank", "host", "steps", "data_ms", "step_ms", "measured")
+RANK_LAG_FACTOR = 2.0  # a process whose batches take twice the others' holds them back
 
 
 class _Timed:
@@ -72,7 +82,7 @@ class _Timed:
 # -- the verdict ---------------------------------------------------------------
 
 
-def verdict(steps, timeline, measured="dataset", gpus=0):
+def verdict(steps, timeline, measured="dataset", gpus=0, ranks=None, communication=None):
     """What held training back, from the step timings and the device samples.
 
     Args:
@@ -85,61 +95,66 @@ def verdict(steps, timeline, measured="dataset", gpus=0):
             upper bound on the wait) or `"none"` (a plain Keras model, or
             worker processes: `data_ms` is None).
         gpus: how many GPUs were sampled.
+        ranks: with several processes, one dict per process (`rank`, `host`,
+            `steps`, `data_ms`, `step_ms`: per-step means, `measured`); the
+            slowest process's input is the one every process waits for.
+        communication: the gradient all-reduce's estimated cost (`ms`,
+            `link`, `grad_bytes`, `replicas`), or None where there is none to
+            estimate (one device, or no GPU link known).
 
     Returns:
         A dict: `input` (`"highly"`, `"moderately"`, `"no"` or `"unknown"`), `bound`
-        (`"input"`, `"compute"` or `"unclear"`), `lagging_device` (an id or
-        None), `communication`, `evidence` (the numbers), `lines` (what is
-        printed) and `fixes`.
+        (`"input"`, `"compute"`, `"communication"` or `"unclear"`),
+        `lagging_device` (an id or None), `lagging_rank`, `communication`,
+        `evidence` (the numbers), `lines` (what is printed) and `fixes`.
     """
     timed = steps[1:] if len(steps) > 1 else steps
-    data_ms = sum(row[2] or 0.0 for row in timed)
-    step_ms = sum(row[3] for row in timed)
-    share = data_ms / step_ms if step_ms > 0 else 0.0
-    mean = {}
-    for device in range(gpus):
-        values = [row[2] for row in timeline if row[1] == device and row[2] is not None]
-        if values:
-            mean[device] = sum(values) / len(values)
-    sm = [row[3] for row in timeline if row[3] is not None]
+    count = max(len(timed), 1)
     evidence = {
         "steps": len(timed),
-        "data_ms_per_step": data_ms / max(len(timed), 1),
-        "step_ms_per_step": step_ms / max(len(timed), 1),
-        "data_share": share,
+        "data_ms_per_step": sum(row[2] or 0.0 for row in timed) / count,
+        "step_ms_per_step": sum(row[3] for row in timed) / count,
         "data_measured": measured,
-        "mean_utilization": mean,
-        "mean_sm_activity": sum(sm) / len(sm) if sm else None,
+        "mean_utilization": _mean_by_device(timeline, gpus, 2),
+        "mean_sm_activity": _mean([row[3] for row in timeline]),
+        "ranks": ranks,
     }
-    how = {"dataset": "batch production", "workers": "batch production on worker threads, "
-           "overlapping the steps (an upper bound on the wait)",
-           "none": ""}[measured]
-    numbers = (f"data {evidence['data_ms_per_step']:.1f} ms of a "
-               f"{evidence['step_ms_per_step']:.1f} ms step ({100 * share:.0f}%, {how})")
     lines, fixes = [], []
+    worst = _slowest_input(ranks) if ranks else None
+    if worst is not None:  # every process waits for the one whose batches come last
+        evidence.update(data_ms_per_step=worst["data_ms"], step_ms_per_step=worst["step_ms"],
+                        data_measured=worst["measured"], data_rank=worst["rank"])
+        measured = worst["measured"]
+    step_ms = evidence["step_ms_per_step"]
+    share = evidence["data_ms_per_step"] / step_ms if step_ms > 0 else 0.0
+    evidence["data_share"] = share
     input_level = ("unknown" if measured == "none" else "highly" if share >= HIGHLY_INPUT_BOUND
                    else "moderately" if share >= MODERATELY_INPUT_BOUND else "no")
-    if input_level == "unknown":
-        lines.append(f"data wait not measured ({evidence['step_ms_per_step']:.1f} ms per step): "
-                     "a plain Keras model fetches its batch inside the step, out of a "
-                     "callback's sight (wrap it with multi_gpu_model to measure it).")
-    elif input_level != "no":
-        lines.append(f"{input_level} input-bound: {numbers}.")
+    lines.append(_input_line(input_level, evidence, worst))
+    if input_level in ("highly", "moderately"):
         fixes += ["produce batches faster: more PyDataset workers (workers=, "
                   "use_multiprocessing=) or tf.data prefetch/num_parallel_calls",
                   "move augmentation onto the device (keras preprocessing layers in the model)",
                   "keep array data on the device (multi_gpu_model places arrays that fit)"]
-    else:
-        lines.append(f"not input-bound: {numbers}.")
+    comm_share = None
+    if communication is not None and step_ms > 0:
+        comm_share = communication["ms"] / step_ms
+        evidence["communication_share"] = comm_share
+        lines.append(_communication_line(communication, step_ms, comm_share))
+    mean = evidence["mean_utilization"]
     busy = mean and min(mean.values()) >= BUSY_UTILISATION
-    if input_level in ("no", "moderately") and (not gpus or busy):
+    if input_level == "highly":
+        bound = "input"
+    elif comm_share is not None and comm_share >= COMMUNICATION_BOUND:
+        bound = "communication"
+        fixes.append("a larger batch per device (fewer all-reduces per image), or fewer "
+                     "devices over a faster link (keras-multigpu devices shows the links)")
+    elif input_level in ("no", "moderately") and (not gpus or busy):
         bound = "compute"
         where = "no GPU: the CPU does the work" if not gpus else (
             "GPU utilisation " + ", ".join(f"gpu:{d} {u:.0f}%" for d, u in mean.items()))
         lines.append(f"compute-bound ({where}).")
         fixes.append("a larger batch per device, mixed precision, or more devices")
-    elif input_level == "highly":
-        bound = "input"
     else:
         bound = "unclear"
         if mean and input_level != "unknown":
@@ -153,12 +168,122 @@ def verdict(steps, timeline, measured="dataset", gpus=0):
         lines.append(f"one device lags: gpu:{lagging} averages {mean[lagging]:.0f}% against "
                      f"{max(mean.values()):.0f}% on the busiest; check its PCIe link and "
                      "clocks (keras-multigpu devices) and other processes on it.")
+    lagging_rank = _lagging_rank(ranks, lines) if ranks else None
     if evidence["mean_sm_activity"] is not None:
         lines.append(f"SM activity (GPM) averages {evidence['mean_sm_activity']:.0f}%.")
-    communication = "not measurable from host timing"
     return {"input": input_level, "bound": bound, "lagging_device": lagging,
-            "communication": communication, "evidence": evidence, "lines": lines,
-            "fixes": fixes}
+            "lagging_rank": lagging_rank,
+            "communication": "not estimated" if comm_share is None else (
+                "bound" if comm_share >= COMMUNICATION_BOUND else "not bound"),
+            "evidence": evidence, "lines": lines, "fixes": fixes}
+
+
+def _mean(values):
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def _mean_by_device(timeline, gpus, column):
+    means = {d: _mean([row[column] for row in timeline if row[1] == d]) for d in range(gpus)}
+    return {d: m for d, m in means.items() if m is not None}
+
+
+def _slowest_input(ranks):
+    """The process whose batch production takes the largest share of its step."""
+    timed = [r for r in ranks if r["measured"] != "none" and r["step_ms"] > 0]
+    return max(timed, key=lambda r: r["data_ms"] / r["step_ms"]) if timed else None
+
+
+def _input_line(level, evidence, worst):
+    how = {"dataset": "batch production", "workers": "batch production on worker threads, "
+           "overlapping the steps (an upper bound on the wait)",
+           "none": ""}[evidence["data_measured"]]
+    where = "" if worst is None else f" on rank {worst['rank']}, the slowest to produce them"
+    numbers = (f"data {evidence['data_ms_per_step']:.1f} ms of a "
+               f"{evidence['step_ms_per_step']:.1f} ms step "
+               f"({100 * evidence['data_share']:.0f}%, {how}{where})")
+    if level == "unknown":
+        return (f"data wait not measured ({evidence['step_ms_per_step']:.1f} ms per step): a "
+                "plain Keras model fetches its batch inside the step, out of a callback's "
+                "sight (wrap it with multi_gpu_model to measure it).")
+    return f"{level} input-bound: {numbers}." if level != "no" else f"not input-bound: {numbers}."
+
+
+def _communication_line(c, step_ms, share):
+    return (f"communication (estimated, not measured): a ring all-reduce of "
+            f"{c['grad_bytes'] / 1e6:.1f} MB of gradients over {c['replicas']} GPUs on "
+            f"{c['link']} takes about {c['ms']:.2f} ms, {100 * share:.0f}% of the "
+            f"{step_ms:.1f} ms step"
+            + (" — communication-bound." if share >= COMMUNICATION_BOUND else "."))
+
+
+def _lagging_rank(ranks, lines):
+    """A process whose input takes far longer than the others' (the rest wait for it)."""
+    timed = sorted((r for r in ranks if r["measured"] != "none"), key=lambda r: r["data_ms"])
+    if len(timed) < 2:
+        return None
+    slowest, others = timed[-1], timed[:-1]
+    typical = others[len(others) // 2]["data_ms"]
+    if (slowest["data_ms"] - typical < MODERATELY_INPUT_BOUND * slowest["step_ms"]
+            or slowest["data_ms"] < RANK_LAG_FACTOR * typical):
+        return None
+    lines.append(f"one process lags: rank {slowest['rank']} ({slowest['host']}) takes "
+                 f"{slowest['data_ms']:.1f} ms per batch against {typical:.1f} ms on the "
+                 "others, which wait for it at every step; check that machine's load and "
+                 "its data path (local disk, CPU cores per process).")
+    return slowest["rank"]
+
+
+def _sibling_board():
+    """The `keras.callbacks.TensorBoard` of the `fit` under way, if it has one.
+
+    A callback is given no handle on its siblings; Keras's `CallbackList`,
+    which calls `on_train_begin` on each of them, is a few frames up the stack.
+    """
+    frame = sys._getframe(1)
+    for _ in range(8):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, keras.callbacks.CallbackList):
+            return next((c for c in owner.callbacks
+                         if isinstance(c, keras.callbacks.TensorBoard)), None)
+        frame = frame.f_back
+    return None
+
+
+def _merge_hosts(everyone):
+    """One timeline over every process's GPUs, each GPU once (processes of one machine
+    often see the same GPUs: the lowest rank's samples of each are kept), renumbered."""
+    timeline, links, numbers = [], [], {}
+    for figures in everyone:
+        local = {}
+        for device, (uuid, link) in enumerate(zip(figures["uuids"], figures["links"])):
+            key = uuid or (figures["host"], device)
+            if key not in numbers:
+                numbers[key] = local[device] = len(links)
+                links.append(tuple(link) if link else None)
+        timeline += [(row[0], local[row[1]], *row[2:]) for row in figures["timeline"]
+                     if row[1] in local]
+    return timeline, links
+
+
+def communication_estimate(model, gpu_links):
+    """The ring all-reduce of `model`'s gradients over the slowest link among the GPUs.
+
+    Modelled (see `bench.scaling`): 2 (N - 1) / N * S / B + 2 (N - 1) * a, for
+    N replicas, S gradient bytes (the trainable variables' own dtypes) and the
+    link NVML reports. None for one replica, or when NVML gave no link.
+    """
+    replicas = getattr(model, "num_replicas", 1)
+    if replicas < 2 or not gpu_links or any(link is None for link in gpu_links):
+        return None
+    name, bandwidth, latency = min(gpu_links, key=lambda link: link[1])
+    grad_bytes = sum(math.prod(v.shape) * np.dtype(v.dtype).itemsize
+                     for v in model.trainable_variables)
+    seconds = 2 * (replicas - 1) / replicas * grad_bytes / bandwidth + 2 * (replicas - 1) * latency
+    return {"ms": 1000 * seconds, "link": name, "grad_bytes": int(grad_bytes),
+            "replicas": replicas, "modelled": True}
 
 
 # -- the callback --------------------------------------------------------------
@@ -169,12 +294,18 @@ class DeviceMonitor(keras.callbacks.Callback):
 
     Files in `log_dir` (written atomically, by process 0 only):
     `timeline.csv` (time, device, util, sm_activity, sm_occupancy, memory),
-    `steps.csv` (step, epoch, data_ms, step_ms) and `monitor.png`. The
-    verdict is printed and kept in `.verdict` (see `verdict()`): input-bound
-    when producing batches takes >= 20% of the step ("highly") or >= 5%
-    ("moderately"), compute-bound otherwise when the GPUs are busy or there
-    is none, and "one device lags" when one GPU's mean utilisation trails the
-    busiest by more than 25 points.
+    `steps.csv` (step, epoch, data_ms, step_ms), `monitor.png`, and with
+    several processes `ranks.csv` (each process's per-step means: every
+    process's figures reach process 0 at the end of `fit`, and its GPUs'
+    samples join the timeline). The verdict is printed and kept in
+    `.verdict` (see `verdict()`): input-bound when producing batches takes
+    >= 20% of the step ("highly") or >= 5% ("moderately"), on the slowest
+    process; communication-bound when the gradient all-reduce, estimated from
+    the gradient size and the GPUs' link (NVLink or PCIe, from NVML), takes
+    >= 20% of the step; compute-bound otherwise when the GPUs are busy or
+    there is none; "one device lags" when one GPU's mean utilisation trails
+    the busiest by more than 25 points, "one process lags" when one process's
+    batches take twice the others' (and 5% of the step more).
 
     Without NVML (a CPU-only machine) it logs one line and times steps only.
 
@@ -183,8 +314,9 @@ class DeviceMonitor(keras.callbacks.Callback):
             one fails at `on_train_begin`, before any step.
         interval: seconds between device samples (0.5 costs nothing measurable).
         tensorboard: a `keras.callbacks.TensorBoard` (or a log folder) to
-            also receive the samples as scalars, through `tf.summary`. A
-            callback cannot see its siblings in `fit`'s list, so pass it here.
+            also receive the samples as scalars (`<its log_dir>/devices`,
+            through `tf.summary`). By default, the TensorBoard callback of the
+            same `fit`, if there is one.
 
     Example:
 
@@ -287,6 +419,7 @@ class DeviceMonitor(keras.callbacks.Callback):
         self._finished = False
         self._sampler = None
         self._measured = self._wrap_dataset()
+        self._board = self.tensorboard if self.tensorboard is not None else _sibling_board()
         self._start_sampler()
 
     # -- per step --------------------------------------------------------------
@@ -327,25 +460,41 @@ class DeviceMonitor(keras.callbacks.Callback):
     # -- the end -----------------------------------------------------------------
 
     def on_interrupt(self):
-        self._finish()
+        # The other processes may be gone (or stopping): no gather, this process's figures.
+        self._finish(gather=False)
 
     def on_train_end(self, logs=None):
-        self._finish()
+        self._finish(gather=True)
 
-    def _finish(self):
+    def _finish(self, gather):
         if self._finished:
             return
         self._finished = True
         self._close_step(time.perf_counter())
         self._unwrap_dataset()
-        timeline, gpus = [], 0
+        timeline, gpus, links = [], 0, []
         if self._sampler is not None:
             self._sampler.stop()
             timeline, gpus = list(self._sampler.rows), len(self._sampler.handles)
+            links = self._sampler.links
             if self._sampler.error is not None:
                 logger.warning("DeviceMonitor: sampling stopped early: %s", self._sampler.error)
-        self.timeline, self.steps = timeline, list(self._steps)
-        self.verdict = verdict(self.steps, timeline, self._measured, gpus)
+        self.steps, ranks = list(self._steps), None
+        backend = getattr(self.model, "_backend", None)
+        if gather and backend is not None and backend.process_count() > 1:
+            try:
+                everyone = backend.all_gather_object(self._figures(timeline, links))
+            except Exception as error:  # noqa: BLE001 - a peer gone at the end costs figures
+                logger.warning("DeviceMonitor: could not gather the other processes' figures "
+                               "(%s); this process's figures only", error)
+            else:
+                ranks = [{k: v for k, v in r.items() if k not in ("timeline", "links")}
+                         for r in everyone]
+                timeline, links = _merge_hosts(everyone)
+                gpus = len(links)
+        self.timeline, self.ranks = timeline, ranks
+        communication = communication_estimate(self.model, links)
+        self.verdict = verdict(self.steps, timeline, self._measured, gpus, ranks, communication)
         if not self._writes:
             return
         io_utils.print_msg("DeviceMonitor: " + " ".join(self.verdict["lines"]))
@@ -356,10 +505,25 @@ class DeviceMonitor(keras.callbacks.Callback):
             self._write_csv("timeline.csv", ("time", "device", "util", "sm_activity",
                                              "sm_occupancy", "memory"), timeline)
             self._write_csv("steps.csv", ("step", "epoch", "data_ms", "step_ms"), self.steps)
+            if ranks:
+                self._write_csv("ranks.csv", RANK_FIELDS, [[r[k] for k in RANK_FIELDS]
+                                                           for r in ranks])
             self._plot(timeline, gpus)
             self._write_tensorboard(timeline)
         except OSError as error:
             io_utils.print_msg(f"DeviceMonitor: could not write its files: {error}")
+
+    def _figures(self, timeline, links):
+        """This process's figures for process 0: per-step means, and its GPUs' samples."""
+        timed = self.steps[1:] if len(self.steps) > 1 else self.steps
+        count = max(len(timed), 1)
+        stride = max(1, len(timeline) // MAX_GATHERED_ROWS)
+        return {"rank": self._rank(), "host": socket.gethostname(), "steps": len(timed),
+                "data_ms": sum(row[2] or 0.0 for row in timed) / count,
+                "step_ms": sum(row[3] for row in timed) / count, "measured": self._measured,
+                "timeline": [list(row) for row in timeline[::stride]],
+                "links": [list(link) if link else None for link in links],
+                "uuids": self._sampler.uuids if self._sampler is not None else []}
 
     def _write_csv(self, name, header, rows):
         path = os.path.join(self.log_dir, name)
@@ -397,9 +561,9 @@ class DeviceMonitor(keras.callbacks.Callback):
             figure.savefig(tmp, dpi=100, bbox_inches="tight")
 
     def _write_tensorboard(self, timeline):
-        if self.tensorboard is None:
+        if self._board is None:
             return
-        folder = getattr(self.tensorboard, "log_dir", self.tensorboard)
+        folder = getattr(self._board, "log_dir", self._board)
         try:
             import tensorflow as tf
         except ImportError:

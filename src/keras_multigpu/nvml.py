@@ -76,6 +76,37 @@ def _nvlink(nvml, handle):
     return links or None
 
 
+# Per-direction bandwidth one NVLink link carries, by NVLink version (NVIDIA's figures:
+# P100 20 GB/s, V100/A100/H100 25 GB/s); PCIe per lane per direction, by generation
+# (theoretical), of which about 78% is reached (as bench.scaling assumes: 50 of 64 GB/s).
+NVLINK_LINK_BYTES = {1: 20e9, 2: 25e9, 3: 25e9, 4: 25e9, 5: 50e9}
+PCIE_LANE_BYTES = {1: 0.25e9, 2: 0.5e9, 3: 0.985e9, 4: 1.969e9, 5: 3.938e9, 6: 7.563e9}
+PCIE_ACHIEVED = 0.78
+
+
+def link(nvml, handle):
+    """`(name, bytes/s per direction, seconds per hop)` of the link this GPU talks over.
+
+    NVLink where links are up (their count times one link's bandwidth), else
+    its current PCIe link; None when NVML reports neither.
+    """
+    links = _nvlink(nvml, handle) or []
+    if any(links):
+        version = field(nvml, "nvmlDeviceGetNvLinkVersion", handle, links.index(True)) or 4
+        up = sum(links)
+        return f"NVLink {version} x{up}", up * NVLINK_LINK_BYTES.get(version, 25e9), 5e-6
+    generation = field(nvml, "nvmlDeviceGetCurrPcieLinkGeneration", handle)
+    width = field(nvml, "nvmlDeviceGetCurrPcieLinkWidth", handle)
+    if generation in PCIE_LANE_BYTES and width:
+        return (f"PCIe Gen{generation} x{width}",
+                PCIE_ACHIEVED * PCIE_LANE_BYTES[generation] * width, 10e-6)
+    return None
+
+
+def _text(value):
+    return value.decode() if isinstance(value, bytes) else value
+
+
 def _gpu_facts(nvml, visible_id, handle):
     name = field(nvml, "nvmlDeviceGetName", handle)
     memory = field(nvml, "nvmlDeviceGetMemoryInfo", handle)
@@ -83,7 +114,7 @@ def _gpu_facts(nvml, visible_id, handle):
     power = field(nvml, "nvmlDeviceGetPowerUsage", handle)  # milliwatts
     return {
         "id": visible_id,
-        "name": name.decode() if isinstance(name, bytes) else name,
+        "name": _text(name),
         "memory_used_bytes": None if memory is None else int(memory.used),
         "memory_total_bytes": None if memory is None else int(memory.total),
         "utilization_gpu": None if rates is None else int(rates.gpu),
@@ -182,6 +213,8 @@ class Sampler(threading.Thread):
         indices = visible_indices(nvml.nvmlDeviceGetCount())
         self.handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in indices]
         self.gpm = [Gpm(nvml, h) for h in self.handles]
+        self.links = [link(nvml, h) for h in self.handles]
+        self.uuids = [_text(field(nvml, "nvmlDeviceGetUUID", h)) for h in self.handles]
         self.rows = []  # (seconds, device, util %, sm activity %, sm occupancy %, memory bytes)
         self.error = None
         self._halt = threading.Event()

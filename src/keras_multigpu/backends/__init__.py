@@ -48,6 +48,8 @@ Every backend module defines the names in `API`:
 - `process_index()`, `process_count()`: this process's rank and the process
   count (the torch engine runs one process per device; the others, one per
   host).
+- `all_gather_object(value)`: a small host value (JSON-able) from every
+  process, in rank order, on every process (which must all call it).
 """
 
 import functools
@@ -74,6 +76,7 @@ API = (
     "batch_spec",
     "process_index",
     "process_count",
+    "all_gather_object",
 )
 
 BACKENDS = ("jax", "tensorflow", "torch")

@@ -798,6 +798,18 @@ def process_count():
     return jax.process_count()
 
 
+def all_gather_object(value):
+    """`value` (JSON-able) from every process, in rank order; every process calls it."""
+    if jax.process_count() == 1:
+        return [value]
+    data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], "int64")))
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[:data.size] = data
+    rows = np.asarray(multihost_utils.process_allgather(padded))
+    return [json.loads(bytes(row[:int(size)])) for row, size in zip(rows, sizes.ravel())]
+
+
 # Several processes (hosts): join before anything starts JAX (see `_join`). Importing
 # keras_multigpu under a launcher (LOCAL_RANK set) imports this module at once. Where
 # JAX had started already, `list_devices` and `make_distribution` say so.

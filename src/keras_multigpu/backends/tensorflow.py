@@ -492,6 +492,33 @@ def process_count():
     return 1 if _workers is None else _workers.count
 
 
+_gathers = iter(range(1 << 62))  # every worker numbers its gathers alike: keys of one call
+
+
+def all_gather_object(value):
+    """`value` (JSON-able) from every worker, in rank order; every worker calls it.
+
+    Host values, not tensors: through the coordination service's key-value
+    store that MultiWorkerMirroredStrategy already runs, not a collective.
+    """
+    if process_count() == 1:
+        return [value]
+    prefix = f"keras_multigpu/gather/{next(_gathers)}"
+    context = tf_context.context()
+    context.set_config_key_value(f"{prefix}/{process_index()}", json.dumps(value))
+    values = []
+    for rank in range(process_count()):
+        try:
+            values.append(json.loads(context.get_config_key_value(
+                f"{prefix}/{rank}", timeout_in_ms=int(1000 * _timeout()))))
+        except tf.errors.OpError as error:
+            raise RuntimeError(
+                f"Worker {process_index()} of {process_count()}: worker {rank} did not give "
+                f"its figures within {_timeout():g} s (KERAS_MULTIGPU_TIMEOUT): it hangs, is "
+                f"far behind, or has stopped. TensorFlow said: {error.message}") from error
+    return values
+
+
 # -- the rules, in force inside `scope` ---------------------------------
 
 

@@ -364,6 +364,15 @@ def process_count():
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+def all_gather_object(value):
+    """`value` (picklable) from every process, in rank order; every process calls it."""
+    if process_count() == 1:
+        return [value]
+    gathered = [None] * dist.get_world_size()
+    _collective("gather of host figures", dist.all_gather_object, gathered, value)
+    return gathered
+
+
 # -- the step ---------------------------------------------------------------
 
 
