@@ -196,14 +196,14 @@ def test_overwrite_replaces_a_run_and_the_closing_line_says_what_happened(tmp_pa
     history = _history(tmp_path)
     assert history["devices"] == ["cpu:0"] and history["train_images"] == 3
     assert history["complete"] is True and len(history["epochs"]) == 1
-    assert sorted(os.listdir(tmp_path)) == ["history.json", "model.keras", "notes.txt",
-                                            "plot.png"]
+    assert sorted(os.listdir(tmp_path)) == ["history.json", "model.keras", "monitor",
+                                            "notes.txt", "plot.png"]
     line = capsys.readouterr().out.strip().splitlines()[-1]
     accuracy = history["final_val_accuracy"]
     assert line.startswith("devices=1 (cpu:0) total=")
     assert line.endswith(f"val_accuracy={accuracy:.4f}; --target-acc 0 passed "
                          f"({accuracy:.4f} >= 0); saved in {tmp_path}: model.keras, "
-                         "history.json, plot.png")
+                         "history.json, plot.png, monitor/")
 
 
 # -- crashes and Ctrl-C keep the epochs done -------------------------------------------

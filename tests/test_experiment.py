@@ -28,8 +28,9 @@ def test_train_writes_every_output(tmp_path, capsys):
     code = cli.main(["train", "--gpus", "3", "--output", str(out), "--data-dir", cifar_dir(),
                      "--lr", "0.01", *TINY])
     assert code == 0
-    assert sorted(os.listdir(out)) == ["history.json", "model.keras", "plot.png"]
+    assert sorted(os.listdir(out)) == ["history.json", "model.keras", "monitor", "plot.png"]
     assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(os.listdir(out / "monitor")) == ["monitor.png", "steps.csv", "timeline.csv"]
     history = json.loads((out / "history.json").read_text())
     assert history["devices"] == ["cpu:0", "cpu:1", "cpu:2"]
     assert history["global_batch"] == 48 and history["train_images"] == 96
@@ -42,12 +43,17 @@ def test_train_writes_every_output(tmp_path, capsys):
     assert epochs[0]["learning_rate"] == pytest.approx(0.005, rel=1e-4)
     assert epochs[1]["learning_rate"] == pytest.approx(0.0, abs=1e-9)
     assert history["complete"] is True
+    # The verdict: arrays on the devices and a real convolutional step on a CPU.
+    assert history["verdict"]["bound"] == "compute", history["verdict"]
     printed = capsys.readouterr().out
+    assert "DeviceMonitor: not input-bound" in printed or (
+        "DeviceMonitor: moderately input-bound" in printed)
     assert "Epoch 2/2" in printed  # Keras's output, one line per epoch: stdout is no terminal
     assert "\x1b" not in printed and "\x08" not in printed and "\r" not in printed
     line = printed.strip().splitlines()[-1]
     assert line.startswith("devices=3 (cpu:0, cpu:1, cpu:2)") and "val_accuracy=" in line
-    assert line.endswith(f"; saved in {out}: model.keras, history.json, plot.png"), line
+    assert line.endswith(f"; saved in {out}: model.keras, history.json, plot.png, monitor/"), (
+        line)
     loaded = subprocess.run(
         [sys.executable, "-c", LOAD, str(out / "model.keras")], capture_output=True, text=True,
         env={**os.environ, "KERAS_BACKEND": "jax"}, timeout=180, check=False,

@@ -295,7 +295,8 @@ def _closing(summary, folder, verdict):
     parts = [experiment.summary_line(summary)]
     if verdict:
         parts.append(verdict)
-    parts.append(f"saved in {folder}: {', '.join(experiment.OUTPUT_FILES)}")
+    parts.append(f"saved in {folder}: {', '.join(experiment.OUTPUT_FILES)}, "
+                 f"{experiment.MONITOR_DIR}/")
     return "; ".join(parts)
 
 

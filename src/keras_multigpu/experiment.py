@@ -4,13 +4,15 @@ Reproduces the post this project started from (70 epochs, 64 images per
 device per step, SGD with momentum 0.9 from 5e-3 decaying linearly to 0,
 random shifts and flips, mean subtraction) and writes what it showed:
 `plot.png`, `history.json` and the trained `model.keras`, after every epoch,
-so that a crash or a Ctrl-C keeps the epochs already done.
+so that a crash or a Ctrl-C keeps the epochs already done, and `monitor/`
+(`DeviceMonitor`'s timeline, step times, figure and verdict) when training ends.
 """
 
 import dataclasses
 import logging
 import math
 import os
+import shutil
 import sys
 import time
 
@@ -97,6 +99,7 @@ def save_model(model, path):
 
 
 OUTPUT_FILES = ("model.keras", "history.json", "plot.png")
+MONITOR_DIR = "monitor"  # DeviceMonitor's timeline.csv, steps.csv and monitor.png
 
 
 def keras_verbose(verbose):
@@ -186,6 +189,9 @@ def run(config):
         def write(epochs, complete):
             summary = _summarize(config, parallel, template, x_train, x_test, batch_size,
                                  epochs, time.perf_counter() - started)
+            if watch.verdict is not None:
+                summary["verdict"] = {k: watch.verdict[k] for k in (
+                    "bound", "input", "communication", "lagging_device", "lines", "fixes")}
             save_model(saved_model, paths["model.keras"])
             write_json(paths["history.json"], {**summary, "complete": complete,
                                                "epochs": epochs})
@@ -193,15 +199,19 @@ def run(config):
             return summary
 
         recorder = callbacks_lib.EpochRecorder(lambda epochs: write(epochs, False))
+        # What held training back (input, compute, communication), printed at the end.
+        watch = callbacks_lib.DeviceMonitor(os.path.join(config.output, MONITOR_DIR))
         started = time.perf_counter()
         try:
             parallel.fit(
                 x_train, y_train, batch_size=batch_size, epochs=config.epochs,
                 validation_data=(x_test, y_test), verbose=keras_verbose(config.verbose),
-                callbacks=[callbacks_lib.EpochStats(len(x_train)), recorder],
+                callbacks=[callbacks_lib.EpochStats(len(x_train)), recorder, watch],
             )
             return write(recorder.epochs, True)
         except BaseException as error:
+            if not recorder.saved:  # nothing kept: no monitor files alone in the folder
+                shutil.rmtree(os.path.join(config.output, MONITOR_DIR), ignore_errors=True)
             error.add_note(_kept(config.output, recorder.saved, config.epochs))
             raise
     finally:
