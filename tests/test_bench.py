@@ -96,6 +96,9 @@ def test_tiny_torch_run(tmp_path):
     assert {"ours_torch-1 / plain_torch-1", "ours_torch-2 / ours_torch-1",
             "ours_torch-2 / ddp_torch-2", "ours_torch-2 / independent_torch-2"} <= set(
         results["ratios"])
+    # Rank 0's verdict, from every process's figures.
+    assert any(v.startswith("ours_torch-2: ") and "input-bound: data " in v
+               for v in results["verdicts"])
 
 
 def test_independent_setup_is_one_device_processes():
@@ -161,6 +164,29 @@ def test_tiny_run_writes_results_and_plots(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "ours-2 / dataparallel-2" in printed and "Projected efficiency" in printed
     assert "Whole fit calls after a warm-up fit" in printed and "Per fit call:" in printed
+    # The verdict: DeviceMonitor in every worker; ours's data time measured, plain's not.
+    verdicts = results["verdicts"]
+    assert "Verdict (DeviceMonitor in each worker" in printed and verdicts[0] in printed
+    assert any(v.startswith("ours-2: ") and "input-bound: data " in v for v in verdicts)
+    assert any(v.startswith("plain-1: ") and "data wait not measured" in v for v in verdicts)
+    assert any(v.startswith("ours-2: ") and "virtual CPU devices share" in v for v in verdicts)
+
+
+def _row(engine, devices, ms):
+    return {"engine": engine, "devices": devices, "ms_per_step": {"median": ms}}
+
+
+@pytest.mark.parametrize("ms, found", [(40.0, "communication-bound (measured)"),
+                                       (11.0, "not communication-bound (measured)")])
+def test_scaling_verdict_on_gpus_is_the_steps_growth(ms, found):
+    from keras_multigpu.bench import harness
+
+    table = {"ours-1": _row("ours", 1, 10.0), "ours-4": _row("ours", 4, ms)}
+    lines = harness.verdicts(table, {"ours-1": [{}], "ours-4": [{}]}, virtual=False)
+    assert len(lines) == 1 and lines[0].startswith(f"ours-4: {found}")
+    share = round(100 * (1 - 10.0 / ms))
+    assert f"{ms:.1f} ms per step against 10.0 ms on one device" in lines[0]
+    assert f"{share}% of the step is the all-reduce" in lines[0]
 
 
 def test_fit_call_figures_are_medians_over_calls():

@@ -255,6 +255,7 @@ def run(setups, spec, rounds=3, output=None, timeout=900, step_ms=None, paramete
                "table": table, "ratios": ratios,
                "fit_call_ratios": _ratios(table, "fit_call_images_per_second"),
                "projection": projection(table, step_ms, parameters, hosts, gpus_per_host),
+               "verdicts": verdicts(table, runs, virtual),
                "raw": runs}
     if output:
         os.makedirs(output, exist_ok=True)
@@ -263,6 +264,45 @@ def run(setups, spec, rounds=3, output=None, timeout=900, step_ms=None, paramete
 
         plots.draw(results, output)
     return results
+
+
+def verdicts(table, runs, virtual):
+    """What held each setup back: DeviceMonitor's verdict in its worker (last round), and for
+    ours on several devices, the step's growth over one device's at the same per-device batch.
+
+    On GPUs that growth is the all-reduce and the synchronisation between devices
+    (measured); on virtual CPU devices, which share the cores, it is shared compute,
+    and not judged.
+    """
+    from keras_multigpu.monitor import COMMUNICATION_BOUND
+
+    lines = []
+    for name, results in runs.items():
+        found = results[-1].get("monitor")
+        if found:
+            bound = "" if found["bound"] == "unclear" else f"{found['bound']}-bound; "
+            lines.append(f"{name}: {bound}{found['lines'][0]}")
+        row = table[name]
+        one = table.get(f"{row['engine']}-1")
+        if not row["engine"].startswith("ours") or row["devices"] < 2 or one is None:
+            continue
+        step, single = row["ms_per_step"]["median"], one["ms_per_step"]["median"]
+        grown = max(0.0, 1 - single / step)
+        numbers = (f"{step:.1f} ms per step against {single:.1f} ms on one device at the same "
+                   f"per-device batch")
+        if virtual:
+            lines.append(f"{name}: {numbers}; its {row['devices']} virtual CPU devices share "
+                         f"{os.cpu_count()} cores, so the step's time is shared compute, not "
+                         "communication: not judged here.")
+        elif grown >= COMMUNICATION_BOUND:
+            lines.append(f"{name}: communication-bound (measured): {numbers}; {100 * grown:.0f}% "
+                         "of the step is the all-reduce and the wait between devices. Try a "
+                         "larger batch per device.")
+        else:
+            lines.append(f"{name}: not communication-bound (measured): {numbers}; "
+                         f"{100 * grown:.0f}% of the step is the all-reduce and the wait "
+                         "between devices.")
+    return lines
 
 
 def format_table(results):
@@ -288,6 +328,9 @@ def format_table(results):
         lines += [f"{name:32} {value:.3f}" for name, value in results["fit_call_ratios"].items()]
     if results["projection"]:
         lines += ["", *format_projection(results["projection"]).splitlines()]
+    if results.get("verdicts"):
+        lines += ["", "Verdict (DeviceMonitor in each worker; see the README's \"Watching the "
+                      "devices\"):", *results["verdicts"]]
     return "\n".join(lines)
 
 

@@ -20,11 +20,12 @@ import json
 import resource
 import statistics
 import sys
+import tempfile
 import time
 
 import keras
 
-from keras_multigpu.callbacks import EpochStats
+from keras_multigpu.callbacks import DeviceMonitor, EpochStats
 
 
 def build_model(name, width):
@@ -164,9 +165,15 @@ def measure(spec):
     compiles = CompileCounter() if setup.backend == "jax" else None
 
     def fit(model):
-        history = model.fit(x, y, batch_size=batch, epochs=1 + spec["epochs"], shuffle=False,
-                            verbose=0, callbacks=[EpochStats(samples)])
+        with tempfile.TemporaryDirectory() as folder:  # the verdict is kept, not the files
+            watch = DeviceMonitor(folder)
+            history = model.fit(x, y, batch_size=batch, epochs=1 + spec["epochs"],
+                                shuffle=False, verbose=0, callbacks=[EpochStats(samples), watch])
         fit.seconds = history.history["seconds"]
+        found = watch.verdict  # None for a loop of its own (ddp_torch), which calls no callback
+        fit.monitor = None if found is None else {
+            "bound": found["bound"], "input": found["input"], "lines": found["lines"],
+            "data_share": found["evidence"]["data_share"]}
         # After the fit above (the warm-up), and before the compiled step below,
         # which consumes the model's state.
         fit.calls = time_fit_calls(model, x, y, batch, samples, fit_calls, fit_epochs, compiles)
@@ -193,6 +200,7 @@ def measure(spec):
         "data_mb": (x.nbytes + y.nbytes) / 2**20,
         "peak_host_memory_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "parameters": int(fit.params),
+        "monitor": fit.monitor,
     }
 
 
