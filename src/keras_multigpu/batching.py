@@ -526,15 +526,22 @@ class ArrayBatches(PaddedBatches):
             x, y = self.take(rows[padding].astype("int32"))
             parts = _parts(x, y, _take(self.sample_weight, rows[padding]))
         else:
-            pending, self._pending = self._pending, None
-            if pending is not None and pending[:2] == (self._pass, index):
-                parts = pending[2].result()
-            else:
-                parts = self._host_batch(rows)
+            parts = self.host_parts(index, rows)
             self._prefetch(index + 1)
         if not self.plan.padded:
             return parts
         return self.tag(parts, len(rows), self.replicas)
+
+
+    def host_parts(self, index, rows):
+        """Batch `index` from the host: the prefetched one (waiting for it), else built now.
+
+        The time spent here is the step's wait for its input (what DeviceMonitor times).
+        """
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[:2] == (self._pass, index):
+            return pending[2].result()
+        return self._host_batch(rows)
 
 
 class WrappedPyDataset(PaddedBatches):
