@@ -536,32 +536,55 @@ class DeviceMonitor(keras.callbacks.Callback):
             writer.writerows(["" if v is None else v for v in row] for row in rows)
 
     def _plot(self, timeline, gpus):
+        """GPU utilisation over time (with GPUs), and each step's time with its data part."""
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
 
         # A Figure of its own, not pyplot: drawing must not change the user's backend.
-        figure = Figure(figsize=(9, 4))
+        panels = 2 if gpus and timeline else 1
+        figure = Figure(figsize=(9, 3.2 * panels))
         FigureCanvasAgg(figure)
-        ax = figure.add_subplot()
-        if gpus and timeline:
+        axes = figure.subplots(panels, 1, squeeze=False)[:, 0]
+        if panels == 2:
+            ax = axes[0]
             for device in range(gpus):
                 rows = [r for r in timeline if r[1] == device and r[2] is not None]
                 ax.plot([r[0] for r in rows], [r[2] for r in rows], label=f"gpu:{device}")
+                sm = [r for r in timeline if r[1] == device and r[3] is not None]
+                if sm:
+                    ax.plot([r[0] for r in sm], [r[3] for r in sm], linestyle="--",
+                            label=f"gpu:{device} SM activity (GPM)")
             for seconds, epoch in self._epochs:
                 ax.axvline(seconds, color="grey", linestyle=":", linewidth=1)
                 ax.annotate(f"epoch {epoch + 1}", (seconds, 100), fontsize=7, rotation=90,
                             va="top")
-            ax.set(xlabel="seconds", ylabel="utilisation (%)", ylim=(0, 105),
+            ax.set(xlabel="seconds since fit began", ylabel="utilisation (%)", ylim=(0, 105),
                    title="GPU utilisation (NVML)")
-        else:
-            steps = [r[0] for r in self.steps]
-            ax.plot(steps, [r[3] for r in self.steps], label="step (ms)")
-            if self._measured != "none":
-                ax.plot(steps, [r[2] for r in self.steps], label="data (ms)")
-            ax.set(xlabel="step", ylabel="ms", title="Per-step time: data vs step (no GPU)")
-        ax.legend(loc="lower right", fontsize=8)
+            ax.legend(loc="lower right", fontsize=8)
+        self._plot_steps(axes[-1], gpus)
+        figure.tight_layout()
         with _io.atomic_path(os.path.join(self.log_dir, "monitor.png"), ".png") as tmp:
             figure.savefig(tmp, dpi=100, bbox_inches="tight")
+
+    def _plot_steps(self, ax, gpus):
+        steps = self.steps[1:]  # the first step compiles: it would flatten the rest
+        numbers = [r[0] for r in steps]
+        ax.plot(numbers, [r[3] for r in steps], label="step (ms)", linewidth=1)
+        if self._measured != "none" and steps:
+            data = [r[2] or 0.0 for r in steps]
+            ax.fill_between(numbers, 0, data, alpha=0.5, color="tab:orange",
+                            label="waiting for the batch (ms)")
+        first = {}
+        for number, epoch, _, _ in steps:
+            first.setdefault(epoch, number)
+        for number in first.values():
+            ax.axvline(number, color="grey", linestyle=":", linewidth=1)
+        compile_note = f"; step 0 (compiling, {self.steps[0][3] / 1000:.1f} s) not shown" if (
+            self.steps) else ""
+        ax.set(xlabel="step (dotted: an epoch begins)", ylabel="ms", ylim=(0, None),
+               title=("Per-step time on the host" + ("" if gpus else " (no GPU)")
+                      + compile_note))
+        ax.legend(loc="lower right", fontsize=8)
 
     def _write_tensorboard(self, timeline):
         if self._board is None:
