@@ -4,9 +4,11 @@
 # per process: the suite on JAX, and meanwhile the engine contract and the real Keras
 # programs (tests/test_engines.py, tests/test_programs.py) on TensorFlow (with
 # its several-worker tests, tests/test_multihost_tf.py), then on PyTorch (whose
-# multi-device tests fork one gloo process per device) with the launcher's tests
-# across machines (tests/test_multihost.py). The two streams share
-# the cores; each one's output is printed when it ends.
+# multi-device tests fork one gloo process per device) with the tests that start
+# processes of their own: the launcher's across machines (tests/test_multihost.py),
+# the benchmark harness's and the GPU plan's (tests/test_bench.py,
+# tests/test_gpu_plan.py). The two streams share the cores; each one's output is
+# printed when it ends.
 # pytest exits non-zero when a test fails and 5 when no test ran; either fails
 # this script.
 set -euo pipefail
@@ -16,11 +18,13 @@ bash scripts/setup.sh jax,test,peers
 .venv/bin/python -m pip install -q torch==2.13.0
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
-# The launcher's tests across machines start their own processes: they run after torch's
-# engine tests, which balances the two streams.
-launcher="tests/test_multihost.py"
+# The launcher's tests across machines, the benchmark harness's and the GPU plan's start
+# their own processes (each with its own backend): they run after torch's engine tests,
+# which balances the two streams.
+launcher="tests/test_multihost.py tests/test_bench.py tests/test_gpu_plan.py"
 KERAS_BACKEND=jax .venv/bin/python -m pytest -q -p no:cacheprovider \
-    --ignore=tests/test_multihost.py --ignore=tests/test_multihost_tf.py "$@" \
+    --ignore=tests/test_multihost.py --ignore=tests/test_multihost_tf.py \
+    --ignore=tests/test_bench.py --ignore=tests/test_gpu_plan.py "$@" \
     > "$logs/jax" 2>&1 &
 jax=$!
 status=0
