@@ -319,7 +319,9 @@ def test_device_monitor_times_this_engine_and_gathers_every_process(tmp_path):
     # TensorFlow's trainer pulls batches through (an upper bound on the wait).
     expected = "workers" if BACKEND == "tensorflow" else "dataset"
     assert found["evidence"]["data_measured"] == expected
-    assert found["input"] in ("no", "moderately", "highly")
+    # An upper bound (tf.data's threads) is judged only below the threshold.
+    assert found["input"] in (("no", "unknown") if expected == "workers" else
+                              ("no", "moderately", "highly"))
     engine = backends.current()
     if engine.process_count() > 1:  # torch: one process per device
         assert [r["rank"] for r in watch.ranks] == [0, 1]  # every process's figures, everywhere

@@ -349,8 +349,10 @@ def test_arrays_built_on_the_host_time_the_wait_for_each_batch(tmp_path, nvml, m
     assert watch.verdict["input"] == "highly"
 
 
-def test_fake_gpus_are_sampled_during_fit(tmp_path, nvml):
+def test_fake_gpus_are_sampled_during_fit(tmp_path, nvml, monkeypatch):
     nvml()
+    # As for a model on the three GPUs (the fake NVML's; the engine trains on CPU devices).
+    monkeypatch.setattr(DeviceMonitor, "_model_gpus", lambda self: [0, 1, 2])
     watch = DeviceMonitor(tmp_path / "mon", interval=0.05)
     x = np.zeros((64, 8), "float32")
     small_model().fit(x, np.zeros(64), batch_size=16, epochs=1, verbose=0, callbacks=[watch])
@@ -358,6 +360,66 @@ def test_fake_gpus_are_sampled_during_fit(tmp_path, nvml):
     assert {r["device"] for r in rows} == {"0", "1", "2"}
     assert {r["sm_activity"] for r in rows if r["device"] == "1"} == {""}
     assert watch.verdict["lagging_device"] == 2
+
+
+def test_only_the_models_gpus_are_sampled(tmp_path, nvml):
+    nvml()
+    x = np.zeros((64, 8), "float32")
+    plain = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
+    plain.compile(optimizer="sgd", loss="mse")
+    watch = DeviceMonitor(tmp_path / "plain", interval=0.05)
+    plain.fit(x, np.zeros((64, 2)), batch_size=16, verbose=0, callbacks=[watch])
+    assert {r[1] for r in watch.timeline} == {0}  # Keras's first GPU, not the idle others
+    assert watch.verdict["lagging_device"] is None
+    # A ParallelModel on CPU devices samples no GPU, and says where the work ran.
+    watch = DeviceMonitor(tmp_path / "cpu", interval=0.05)
+    small_model().fit(x, np.zeros(64), batch_size=16, verbose=0, callbacks=[watch])
+    assert watch.timeline == []
+    assert any("no GPU: the CPU does the work" in line for line in watch.verdict["lines"])
+    sampler = nvml_lib.Sampler(nvml(), 0.5, time.perf_counter(), only=[2, 7])  # 7: not there
+    assert sampler.handles == [2]
+    sampler.stop()
+
+
+def test_a_slow_generator_is_input_bound(tmp_path, nvml):
+    nvml(fail_init=True)
+
+    def batches():
+        rng = np.random.default_rng(0)
+        while True:
+            time.sleep(0.03)
+            yield rng.normal(size=(16, 8)).astype("float32"), rng.integers(0, 2, 16)
+
+    watch = DeviceMonitor(tmp_path / "mon")
+    small_model().fit(batches(), steps_per_epoch=8, epochs=1, verbose=0, callbacks=[watch])
+    assert watch.verdict["evidence"]["data_ms_per_step"] > 20, watch.verdict["evidence"]
+    assert watch.verdict["input"] == "highly"
+
+
+def test_too_few_steps_are_not_judged_and_a_copy_is_a_fresh_monitor(tmp_path, nvml):
+    import copy
+    import pickle
+
+    nvml(fail_init=True)
+    watch = DeviceMonitor(tmp_path / "mon")
+    small_model().fit(np.zeros((16, 8), "float32"), np.zeros(16), batch_size=16, verbose=0,
+                      callbacks=[watch])
+    assert watch.verdict["bound"] == "unclear" and watch.verdict["input"] == "unknown"
+    assert watch.verdict["lines"] == ["nothing to judge: 1 step(s) ran, the first of which "
+                                      "compiles."]
+    twin = copy.deepcopy(watch)  # as KerasTuner copies callbacks for each trial
+    assert twin.log_dir == watch.log_dir and twin._sampler is None
+    assert pickle.loads(pickle.dumps(DeviceMonitor(tmp_path / "p"))).interval == 0.5
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"interval": "fast"}, ValueError, "interval must be a positive number"),
+    ({"interval": True}, ValueError, "interval must be a positive number"),
+    ({"tensorboard": 123}, TypeError, "tensorboard must be a keras.callbacks.TensorBoard"),
+])
+def test_bad_arguments_are_refused_at_once(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        DeviceMonitor("x", **kwargs)
 
 
 def test_unwritable_log_dir_fails_before_training(tmp_path, nvml):

@@ -312,6 +312,13 @@ class PaddedBatches(keras.utils.PyDataset):
     def pad(self, batch):
         return pad_batch(batch, self.replicas, self.tag, self.class_weight)[0]
 
+    def next_from(self, iterator):
+        """The user's next batch from a generator or an iterable's iterator.
+
+        One place for the fetch, so that DeviceMonitor can time the wait for it.
+        """
+        return next(iterator)
+
     # -- exact resume (see `keras_multigpu.callbacks.Checkpoint`) -----------
     #
     # A dataset that can resume mid-epoch records, as each pass starts, the
@@ -658,11 +665,16 @@ class WrappedIterable(PaddedBatches):
     def __getitem__(self, index):
         if index == 0 or self.iterator is None:
             self.iterator = iter(self.iterable)
-        return self.pad(next(self.iterator))
+        return self.pad(self.next_from(self.iterator))
 
 
 def _padded_generator(generator, dataset):
-    for batch in generator:
+    generator = iter(generator)
+    while True:
+        try:
+            batch = dataset.next_from(generator)
+        except StopIteration:
+            return
         if not isinstance(batch, (tuple, list)) or not 1 <= len(batch) <= 3:
             raise ValueError(
                 "When passing a Python generator to a Keras model, the generator must return "

@@ -295,8 +295,10 @@ def _closing(summary, folder, verdict):
     parts = [experiment.summary_line(summary)]
     if verdict:
         parts.append(verdict)
-    parts.append(f"saved in {folder}: {', '.join(experiment.OUTPUT_FILES)}, "
-                 f"{experiment.MONITOR_DIR}/")
+    names = list(experiment.OUTPUT_FILES)
+    if os.path.isdir(os.path.join(folder, experiment.MONITOR_DIR)):
+        names.append(f"{experiment.MONITOR_DIR}/")
+    parts.append(f"saved in {folder}: {', '.join(names)}")
     return "; ".join(parts)
 
 

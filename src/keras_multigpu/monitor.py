@@ -82,7 +82,8 @@ class _Timed:
 # -- the verdict ---------------------------------------------------------------
 
 
-def verdict(steps, timeline, measured="dataset", gpus=0, ranks=None, communication=None):
+def verdict(steps, timeline, measured="dataset", gpus=0, ranks=None, communication=None,
+            accelerator=None):
     """What held training back, from the step timings and the device samples.
 
     Args:
@@ -101,6 +102,8 @@ def verdict(steps, timeline, measured="dataset", gpus=0, ranks=None, communicati
         communication: the gradient all-reduce's estimated cost (`ms`,
             `link`, `grad_bytes`, `replicas`), or None where there is none to
             estimate (one device, or no GPU link known).
+        accelerator: what the model trains on, `"gpu"` or `"cpu"` (None:
+            unknown), for the wording when no GPU was sampled.
 
     Returns:
         A dict: `input` (`"highly"`, `"moderately"`, `"no"` or `"unknown"`), `bound`
@@ -108,8 +111,18 @@ def verdict(steps, timeline, measured="dataset", gpus=0, ranks=None, communicati
         `lagging_device` (an id or None), `lagging_rank`, `communication`,
         `evidence` (the numbers), `lines` (what is printed) and `fixes`.
     """
-    timed = steps[1:] if len(steps) > 1 else steps
-    count = max(len(timed), 1)
+    if len(steps) < 2:
+        line = (f"nothing to judge: {len(steps)} step(s) ran" + (
+            ", the first of which compiles" if steps else "") + ".")
+        return {"input": "unknown", "bound": "unclear", "lagging_device": None,
+                "lagging_rank": None, "communication": "not estimated",
+                "evidence": {"steps": 0, "data_ms_per_step": 0.0, "step_ms_per_step": 0.0,
+                             "data_share": 0.0, "data_measured": measured,
+                             "mean_utilization": {}, "mean_sm_activity": None,
+                             "ranks": ranks},
+                "lines": [line], "fixes": []}
+    timed = steps[1:]
+    count = len(timed)
     evidence = {
         "steps": len(timed),
         "data_ms_per_step": sum(row[2] or 0.0 for row in timed) / count,
@@ -130,6 +143,8 @@ def verdict(steps, timeline, measured="dataset", gpus=0, ranks=None, communicati
     evidence["data_share"] = share
     input_level = ("unknown" if measured == "none" else "highly" if share >= HIGHLY_INPUT_BOUND
                    else "moderately" if share >= MODERATELY_INPUT_BOUND else "no")
+    if measured == "workers" and input_level != "no":
+        input_level = "unknown"  # an upper bound above the threshold proves nothing
     lines.append(_input_line(input_level, evidence, worst))
     if input_level in ("highly", "moderately"):
         fixes += ["produce batches faster: more PyDataset workers (workers=, "
@@ -151,7 +166,9 @@ def verdict(steps, timeline, measured="dataset", gpus=0, ranks=None, communicati
                      "devices over a faster link (keras-multigpu devices shows the links)")
     elif input_level in ("no", "moderately") and (not gpus or busy):
         bound = "compute"
-        where = "no GPU: the CPU does the work" if not gpus else (
+        where = ("no GPU: the CPU does the work" if accelerator == "cpu" else
+                 "GPU utilisation not sampled: NVML unavailable" if accelerator == "gpu" else
+                 "no GPU samples") if not gpus else (
             "GPU utilisation " + ", ".join(f"gpu:{d} {u:.0f}%" for d, u in mean.items()))
         lines.append(f"compute-bound ({where}).")
         fixes.append("a larger batch per device, mixed precision, or more devices")
@@ -202,6 +219,9 @@ def _input_line(level, evidence, worst):
     numbers = (f"data {evidence['data_ms_per_step']:.1f} ms of a "
                f"{evidence['step_ms_per_step']:.1f} ms step "
                f"({100 * evidence['data_share']:.0f}%, {how}{where})")
+    if level == "unknown" and evidence["data_measured"] == "workers":
+        return (f"input not judged: {numbers}; the wait itself is hidden behind the steps "
+                "as far as the workers keep ahead.")
     if level == "unknown":
         return (f"data wait not measured ({evidence['step_ms_per_step']:.1f} ms per step): a "
                 "plain Keras model fetches its batch inside the step, out of a callback's "
@@ -213,7 +233,7 @@ def _communication_line(c, step_ms, share):
     return (f"communication (estimated, not measured): a ring all-reduce of "
             f"{c['grad_bytes'] / 1e6:.1f} MB of gradients over {c['replicas']} GPUs on "
             f"{c['link']} takes about {c['ms']:.2f} ms, {100 * share:.0f}% of the "
-            f"{step_ms:.1f} ms step"
+            f"{step_ms:.1f} ms step" + (f" ({c['note']})" if c.get("note") else "")
             + (" — communication-bound." if share >= COMMUNICATION_BOUND else "."))
 
 
@@ -232,6 +252,16 @@ def _lagging_rank(ranks, lines):
                  "others, which wait for it at every step; check that machine's load and "
                  "its data path (local disk, CPU cores per process).")
     return slowest["rank"]
+
+
+def _thin(timeline, limit):
+    """At most about `limit` rows, thinned by sample time: each sample has a row per GPU,
+    so every GPU keeps its rows."""
+    times = sorted({row[0] for row in timeline})
+    per_sample = max(1, len(timeline) // max(len(times), 1))
+    every = math.ceil(len(times) / max(1, limit // per_sample)) or 1
+    kept = set(times[::every])
+    return [row for row in timeline if row[0] in kept]
 
 
 def _sibling_board():
@@ -308,6 +338,9 @@ class DeviceMonitor(keras.callbacks.Callback):
     batches take twice the others' (and 5% of the step more).
 
     Without NVML (a CPU-only machine) it logs one line and times steps only.
+    Only the GPUs the model trains on are sampled. With several processes,
+    give each its DeviceMonitor (the same script does): they meet at the end
+    of `fit` to gather their figures.
 
     Args:
         log_dir: the folder for the files; created if missing. An unwritable
@@ -328,18 +361,46 @@ class DeviceMonitor(keras.callbacks.Callback):
 
     def __init__(self, log_dir, interval=0.5, tensorboard=None):
         super().__init__()
-        if not interval > 0:
+        try:
+            seconds = float(interval)
+        except (TypeError, ValueError):
+            seconds = math.nan
+        if isinstance(interval, bool) or not 0 < seconds < math.inf:
             raise ValueError(f"interval must be a positive number of seconds. Received: "
                              f"interval={interval!r}.")
-        self.log_dir = os.fspath(log_dir)
-        self.interval = float(interval)
+        if not (tensorboard is None or isinstance(tensorboard, (str, os.PathLike))
+                or isinstance(tensorboard, keras.callbacks.TensorBoard)):
+            raise TypeError(f"tensorboard must be a keras.callbacks.TensorBoard or a log "
+                            f"folder. Received: tensorboard={tensorboard!r}.")
+        try:
+            self.log_dir = os.fspath(log_dir)
+        except TypeError:
+            raise TypeError(f"log_dir must be a folder path. Received: log_dir={log_dir!r}.") \
+                from None
+        self.interval = seconds
         self.tensorboard = tensorboard
         self.verdict = None
+        self._runtime()
+
+    def _runtime(self):
+        """What one `fit` uses, made anew: never copied or pickled."""
         self._lock = threading.Lock()
+        self._local = threading.local()
         self._sampler = None
         self._patched = []
+        self._board = None
         self._begin = None
         self._finished = True
+
+    def __getstate__(self):  # deepcopy (KerasTuner copies callbacks per trial) and pickle
+        state = dict(self.__dict__)
+        for name in ("_lock", "_local", "_sampler", "_patched", "_board", "_model", "model"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._runtime()
 
     # -- set-up --------------------------------------------------------------
 
@@ -351,6 +412,31 @@ class DeviceMonitor(keras.callbacks.Callback):
         backend = getattr(self.model, "_backend", None)
         return backend.process_index() if backend is not None else 0
 
+    def _model_gpus(self):
+        """The visible GPUs this process trains on (None: every one it sees).
+
+        A plain Keras model runs on the framework's first GPU; a ParallelModel on its
+        devices, or, with one process per device (torch), on this process's LOCAL_RANK.
+        Idle GPUs beside them would read as lagging devices.
+        """
+        devices = getattr(self.model, "devices", None)
+        backend = getattr(self.model, "_backend", None)
+        if devices is None or backend is None:
+            return [0]
+        gpus = [d for d in devices if d.kind == "gpu"]
+        processes = backend.process_count()
+        if processes > 1 and len(devices) == processes:
+            return [int(os.environ.get("LOCAL_RANK", "0"))]
+        if processes > 1:
+            return None  # several per machine: every process samples what it sees, merged
+        return [d.id for d in gpus]
+
+    def _accelerator(self):
+        devices = getattr(self.model, "devices", None)
+        if not devices:
+            return None
+        return "gpu" if any(d.kind == "gpu" for d in devices) else "cpu"
+
     def _start_sampler(self):
         try:
             nvml = nvml_lib.open_nvml()
@@ -358,7 +444,8 @@ class DeviceMonitor(keras.callbacks.Callback):
             io_utils.print_msg(f"DeviceMonitor: NVML unavailable ({error}); step timing only")
             return
         try:
-            self._sampler = nvml_lib.Sampler(nvml, self.interval, self._zero)
+            self._sampler = nvml_lib.Sampler(nvml, self.interval, self._zero,
+                                             self._model_gpus())
         except Exception as error:  # noqa: BLE001 - any NVML failure: time steps only
             nvml_lib.field(nvml, "nvmlShutdown")
             io_utils.print_msg(f"DeviceMonitor: NVML unavailable ({error}); step timing only")
@@ -370,11 +457,12 @@ class DeviceMonitor(keras.callbacks.Callback):
         dataset = getattr(self.model, "_fit_dataset", None)
         if dataset is None or getattr(dataset, "use_multiprocessing", False):
             return "none"  # worker processes get a pickled copy: nothing to time here
-        # The host's work only: a user's PyDataset, padding, and host-built array batches
-        # (the wait for the prefetched one). Not the gather of arrays kept on the devices
+        # The host's work only: a user's PyDataset, generator or iterable (the fetch of
+        # each batch), padding, and host-built array batches (the wait for the prefetched
+        # one). Not the gather of arrays kept on the devices
         # (`take`): that is device work, and where a device runs its work in order
         # (XLA:CPU), its dispatch waits for the step before it.
-        for name in ("dataset", "pad", "host_parts"):
+        for name in ("dataset", "pad", "host_parts", "next_from"):
             original = vars(dataset).get(name) if name == "dataset" else getattr(
                 dataset, name, None)
             if original is None or not (callable(original) or hasattr(original, "__getitem__")):
@@ -409,12 +497,13 @@ class DeviceMonitor(keras.callbacks.Callback):
                     self._worker_s += elapsed
 
     def on_train_begin(self, logs=None):
+        if not self._finished:  # the last fit ended in an exception, past on_train_end
+            self._abandon()
         self._writes = self._rank() == 0
         if self._writes:
             self._check_writable()
         self._zero = time.perf_counter()
         self._train_thread = threading.get_ident()
-        self._local = threading.local()
         self._steps, self._epochs = [], []
         self._data_s = self._worker_s = 0.0
         self._epoch = 0
@@ -463,8 +552,18 @@ class DeviceMonitor(keras.callbacks.Callback):
     # -- the end -----------------------------------------------------------------
 
     def on_interrupt(self):
-        # The other processes may be gone (or stopping): no gather, this process's figures.
+        # The step just opened will not run; the other processes may be gone (or stopping):
+        # no gather, this process's figures.
+        self._begin = None
         self._finish(gather=False)
+
+    def _abandon(self):
+        """Stops what a fit that never reached its end left running."""
+        self._finished = True
+        if self._sampler is not None:
+            self._sampler.stop()
+            self._sampler = None
+        self._unwrap_dataset()
 
     def on_train_end(self, logs=None):
         self._finish(gather=True)
@@ -497,8 +596,14 @@ class DeviceMonitor(keras.callbacks.Callback):
                 gpus = len(links)
         self.timeline, self.ranks = timeline, ranks
         communication = communication_estimate(self.model, links)
-        self.verdict = verdict(self.steps, timeline, self._measured, gpus, ranks, communication)
+        if communication is not None and ranks and len({r["host"] for r in ranks}) > 1:
+            communication["note"] = "the link inside a machine; the network is not modelled"
+        self.verdict = verdict(self.steps, timeline, self._measured, gpus, ranks, communication,
+                               self._accelerator())
         if not self._writes:
+            return
+        if not self.steps:
+            io_utils.print_msg("DeviceMonitor: no step ran; nothing written.")
             return
         io_utils.print_msg("DeviceMonitor: " + " ".join(self.verdict["lines"]))
         if self.verdict["fixes"]:
@@ -513,18 +618,17 @@ class DeviceMonitor(keras.callbacks.Callback):
                                                            for r in ranks])
             self._plot(timeline, gpus)
             self._write_tensorboard(timeline)
-        except OSError as error:
+        except Exception as error:  # noqa: BLE001 - training is over: only the files are lost
             io_utils.print_msg(f"DeviceMonitor: could not write its files: {error}")
 
     def _figures(self, timeline, links):
         """This process's figures for process 0: per-step means, and its GPUs' samples."""
-        timed = self.steps[1:] if len(self.steps) > 1 else self.steps
+        timed = self.steps[1:]
         count = max(len(timed), 1)
-        stride = max(1, len(timeline) // MAX_GATHERED_ROWS)
         return {"rank": self._rank(), "host": socket.gethostname(), "steps": len(timed),
                 "data_ms": sum(row[2] or 0.0 for row in timed) / count,
                 "step_ms": sum(row[3] for row in timed) / count, "measured": self._measured,
-                "timeline": [list(row) for row in timeline[::stride]],
+                "timeline": [list(row) for row in _thin(timeline, MAX_GATHERED_ROWS)],
                 "links": [list(link) if link else None for link in links],
                 "uuids": self._sampler.uuids if self._sampler is not None else []}
 
@@ -596,8 +700,8 @@ class DeviceMonitor(keras.callbacks.Callback):
             logger.warning("DeviceMonitor: TensorFlow is not installed; no TensorBoard scalars.")
             return
         writer = tf.summary.create_file_writer(os.path.join(os.fspath(folder), "devices"))
-        with writer.as_default():
-            for seconds, device, util, sm_util, _, memory in timeline:
+        with writer.as_default():  # a scalar call per value: thinned like the gather
+            for seconds, device, util, sm_util, _, memory in _thin(timeline, MAX_GATHERED_ROWS):
                 step = int(1000 * seconds)  # milliseconds since training began
                 for name, value in (("util", util), ("sm_activity", sm_util),
                                     ("memory_gib", None if memory is None else memory / 2**30)):

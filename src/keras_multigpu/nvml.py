@@ -207,10 +207,12 @@ class Sampler(threading.Thread):
     the training thread hardly notices it.
     """
 
-    def __init__(self, nvml, interval, clock_zero):
+    def __init__(self, nvml, interval, clock_zero, only=None):
         super().__init__(name="DeviceMonitor", daemon=True)
         self.nvml, self.interval, self.zero = nvml, interval, clock_zero
         indices = visible_indices(nvml.nvmlDeviceGetCount())
+        if only is not None:  # the visible GPUs the model trains on (ids as the frameworks')
+            indices = [indices[i] for i in only if 0 <= i < len(indices)]
         self.handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in indices]
         self.gpm = [Gpm(nvml, h) for h in self.handles]
         self.links = [link(nvml, h) for h in self.handles]
@@ -237,9 +239,14 @@ class Sampler(threading.Thread):
             self.error = error
 
     def stop(self):
+        """Stops sampling; frees NVML's resources once the thread has ended (a thread stuck
+        in an NVML call keeps them: freeing them under it could crash the process)."""
         self._halt.set()
         if self.is_alive():
             self.join(timeout=max(2.0, 4 * self.interval))
+        if self.is_alive():
+            self.error = self.error or RuntimeError("an NVML call did not return")
+            return
         for gpm in self.gpm:
             gpm.close()
         field(self.nvml, "nvmlShutdown")

@@ -296,12 +296,13 @@ def verdicts(table, runs, virtual):
                          "communication: not judged here.")
         elif grown >= COMMUNICATION_BOUND:
             lines.append(f"{name}: communication-bound (measured): {numbers}; {100 * grown:.0f}% "
-                         "of the step is the all-reduce and the wait between devices. Try a "
-                         "larger batch per device.")
+                         "of the step is the all-reduce, the wait between devices and any host "
+                         "work that grows with the global batch. Try a larger batch per "
+                         "device.")
         else:
             lines.append(f"{name}: not communication-bound (measured): {numbers}; "
-                         f"{100 * grown:.0f}% of the step is the all-reduce and the wait "
-                         "between devices.")
+                         f"{100 * grown:.0f}% of the step is the all-reduce, the wait between "
+                         "devices and any host work that grows with the global batch.")
     return lines
 
 
