@@ -275,12 +275,9 @@ def source_info():
 
 
 def machine_info(mode, gpu):
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    from keras_multigpu.bench.harness import cpu_name
+
+    cpu = cpu_name()
     name = gpu["gpus"][0]["name"] if gpu["gpus"] else None
     packages = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "keras", "torch",
                 "numpy", "optree", "namex", "ml-dtypes", "h5py", "matplotlib", "nvidia-ml-py",

@@ -34,13 +34,18 @@ FIGURES = ("images_per_second", "ms_per_step", "compiled_step_ms", "outside_step
            "fit_call_outside_epochs_ms", "fit_call_compiles")
 
 
-def machine():
-    cpu = platform.processor()
+def cpu_name():
+    """The CPU's model name (Linux's /proc/cpuinfo), else what `platform` says."""
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            return next(line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name"))
     except (OSError, StopIteration):
-        pass
+        return platform.processor()
+
+
+def machine():
+    cpu = cpu_name()
     from keras_multigpu import devices
 
     versions = {}
