@@ -5,10 +5,9 @@
 # programs (tests/test_engines.py, tests/test_programs.py) on TensorFlow (with
 # its several-worker tests, tests/test_multihost_tf.py), then on PyTorch (whose
 # multi-device tests fork one gloo process per device) with the tests that start
-# processes of their own: the launcher's across machines (tests/test_multihost.py),
-# the benchmark harness's and the GPU plan's (tests/test_bench.py,
-# tests/test_gpu_plan.py). The two streams share the cores; each one's output is
-# printed when it ends.
+# processes of their own: the launcher's across machines (tests/test_multihost.py) and
+# the benchmark harness's (tests/test_bench.py). The two streams share the cores; each
+# one's output is printed when it ends.
 # pytest exits non-zero when a test fails and 5 when no test ran; either fails
 # this script.
 set -euo pipefail
@@ -18,20 +17,20 @@ bash scripts/setup.sh jax,test,peers
 .venv/bin/python -m pip install -q torch==2.13.0
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
-# The launcher's tests across machines, the benchmark harness's and the GPU plan's start
-# their own processes (each with its own backend): they run after torch's engine tests,
-# which balances the two streams.
-launcher="tests/test_multihost.py tests/test_bench.py tests/test_gpu_plan.py"
+# The launcher's tests across machines and the benchmark harness's start their own
+# processes (each with its own backend): they run after torch's engine tests, which
+# balances the two streams. --durations: the slowest tests, to keep the whole under 30 min.
+launcher="tests/test_multihost.py tests/test_bench.py"
 KERAS_BACKEND=jax .venv/bin/python -m pytest -q -p no:cacheprovider \
     --ignore=tests/test_multihost.py --ignore=tests/test_multihost_tf.py \
-    --ignore=tests/test_bench.py --ignore=tests/test_gpu_plan.py "$@" \
+    --ignore=tests/test_bench.py --durations=15 "$@" \
     > "$logs/jax" 2>&1 &
 jax=$!
 status=0
 for backend in tensorflow torch; do
   # TensorFlow's workers join at import, before its runtime starts: their test runs there.
   extra=$([ "$backend" = tensorflow ] && echo tests/test_multihost_tf.py || echo "$launcher")
-  KERAS_BACKEND=$backend .venv/bin/python -m pytest -q -p no:cacheprovider \
+  KERAS_BACKEND=$backend .venv/bin/python -m pytest -q -p no:cacheprovider --durations=10 \
       tests/test_engines.py tests/test_programs.py $extra > "$logs/$backend" 2>&1 || status=1
   echo "== KERAS_BACKEND=$backend: tests/test_engines.py tests/test_programs.py $extra"
   cat "$logs/$backend"

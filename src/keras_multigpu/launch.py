@@ -340,7 +340,9 @@ def _run_group(nproc, command, address, port, quiet_ranks, timeout, grace, base_
     for rank in ranks:
         rank.process.wait()
         for reader in rank.readers:
-            reader.join(timeout=5)
+            # The process has ended: its pipe ends too, unless a child of it still holds it
+            # open. A loaded machine can take seconds to get the reader its last lines.
+            reader.join(timeout=30)
 
     if interrupted:
         with lock:
