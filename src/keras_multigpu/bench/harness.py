@@ -279,7 +279,7 @@ def verdicts(table, runs, virtual):
     (measured); on virtual CPU devices, which share the cores, it is shared compute,
     and not judged.
     """
-    from keras_multigpu.monitor import COMMUNICATION_BOUND
+    from keras_multigpu.diagnosis import COMMUNICATION_BOUND
 
     lines = []
     for name, results in runs.items():
