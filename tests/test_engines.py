@@ -106,6 +106,23 @@ class _Noise(keras.layers.Layer):
         return x + 0.1 * keras.random.normal(keras.ops.shape(x), seed=self.seed)
 
 
+class _PairNoise(keras.layers.Layer):
+    """A GAN's label noise: a draw for twice the batch's rows (real and generated rows
+    concatenated), from the layer's own seed."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seed = keras.random.SeedGenerator(11)
+
+    def call(self, x, training=False):
+        if not training:
+            return x
+        rows = keras.ops.shape(x)[0]
+        pair = keras.ops.concatenate([x, 2 * x], axis=0)
+        pair = pair + 0.1 * keras.random.uniform(keras.ops.shape(pair), seed=self.seed)
+        return pair[:rows] + pair[rows:]
+
+
 def _random_model():
     keras.utils.set_random_seed(0)
     return keras.Sequential([
@@ -113,6 +130,7 @@ def _random_model():
         keras.layers.Dense(16, activation="relu"),
         keras.layers.Dropout(0.3),
         _Noise(),
+        _PairNoise(),
         keras.layers.GaussianNoise(0.1),
         keras.layers.Reshape((4, 4)),
         keras.layers.SpatialDropout1D(0.25),
@@ -124,8 +142,9 @@ def _random_model():
 @pytest.mark.parametrize("gpus", [2, 3, 4])
 @pytest.mark.parametrize("rows, batch_size", [(99, 25), (5, 32)])
 def test_random_layers_draw_what_one_device_draws(gpus, rows, batch_size):
-    """Dropout, SpatialDropout, GaussianNoise and an own `keras.random.normal`: each row gets
-    the numbers it gets on one device, whichever device it lands on."""
+    """Dropout, SpatialDropout, GaussianNoise, an own `keras.random.normal` and a draw for
+    twice the rows: each row gets the numbers it gets on one device, whichever device it
+    lands on."""
     runs = [_train(count, rows, batch_size, build=_random_model, shuffle=True)
             for count in (None, gpus)]
     _assert_same(*runs)
@@ -231,6 +250,43 @@ def test_predict_and_evaluate_every_row_in_order(gpus):
     np.testing.assert_allclose(got, expected, rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(target.evaluate(x, y, batch_size=7, verbose=0),
                                model.evaluate(x, y, batch_size=7, verbose=0), rtol=RTOL)
+
+
+class _SummedEndpoint(keras.layers.Layer):
+    """Keras's CTC OCR endpoint layer: `add_loss` of a per-sample loss vector, which Keras sums
+    over the batch; beside it, a scalar mean and a weight regulariser."""
+
+    def call(self, labels, predictions):
+        self.add_loss(keras.ops.sum(keras.ops.square(predictions - labels), axis=-1,
+                                    keepdims=True))
+        self.add_loss(0.1 * keras.ops.mean(keras.ops.abs(predictions)))
+        return predictions
+
+
+def _endpoint_model():
+    keras.utils.set_random_seed(0)
+    x = keras.Input((6,), name="x")
+    labels = keras.Input((3,), name="labels")
+    hidden = keras.layers.Dense(8, activation="tanh",
+                                kernel_regularizer=keras.regularizers.L2(0.01))(x)
+    predictions = keras.layers.Dense(3)(hidden)
+    return keras.Model([x, labels], _SummedEndpoint()(labels, predictions))
+
+
+@pytest.mark.parametrize("gpus", [2, 3])
+def test_add_loss_summed_over_the_batch(gpus):
+    """A loss that `add_loss` sums over the batch is the global batch's sum (rows 10 in batches
+    of 3: the last leaves devices without rows)."""
+    x, y = _data(10)
+    inputs = {"x": x, "labels": keras.utils.to_categorical(y, 3).astype("float32")}
+    runs = []
+    for count in (None, gpus):
+        model = _endpoint_model()
+        target = model if count is None else kmg.multi_gpu_model(model, gpus=count)
+        target.compile(optimizer=keras.optimizers.SGD(0.05))
+        history = target.fit(inputs, batch_size=3, epochs=2, shuffle=False, verbose=0)
+        runs.append((model, target, history.history))
+    _assert_same(*runs)
 
 
 class OwnStep(keras.Model):

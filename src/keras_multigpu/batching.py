@@ -651,21 +651,43 @@ class WrappedPyDataset(PaddedBatches):
 
 class WrappedIterable(PaddedBatches):
     """Pads a re-iterable of known length (tf.data, torch DataLoader, a list),
-    iterating it afresh every epoch."""
+    iterating it afresh every epoch, once per epoch as Keras does.
+
+    Keras's TensorFlow adapter reads a few batches for their shapes before the
+    first epoch begins: those come from the iteration the first epoch then
+    goes on with (a new iteration would draw another shuffle, tf.data's and a
+    DataLoader's alike).
+    """
 
     def __init__(self, iterable, replicas, tag, class_weight=None):
         super().__init__(replicas, tag, class_weight)
         self.iterable = iterable
         self.iterator = None
+        self._started = False
+        self._peeked = []  # batches read before the first epoch, from `self.iterator`
 
     @property
     def num_batches(self):
         return len(self.iterable)
 
     def __getitem__(self, index):
+        if not self._started:  # Keras reads a batch for its shapes
+            if self.iterator is None:
+                self.iterator = iter(self.iterable)
+            while len(self._peeked) <= index:
+                self._peeked.append(self.next_from(self.iterator))
+            return self.pad(self._peeked[index])
+        if index < len(self._peeked):  # the first epoch: the batches read already
+            return self.pad(self._peeked[index])
+        self._peeked = []
         if index == 0 or self.iterator is None:
             self.iterator = iter(self.iterable)
         return self.pad(self.next_from(self.iterator))
+
+    def on_epoch_begin(self):
+        if self._started:  # the first epoch is over: the batches read before it are served
+            self._peeked = []
+        self._started = True
 
 
 def _padded_generator(generator, dataset):

@@ -17,6 +17,7 @@ user's model.
 
 import collections.abc
 import contextlib
+import inspect
 import os
 import zipfile
 
@@ -89,6 +90,14 @@ def _needs_symbolic_build(model):
     )
 
 
+def _builds_in_its_step(model):
+    """A model with no `call` whose sub-models are built (a GAN whose `train_step` calls its
+    generator and discriminator): nothing can build it from a batch, and its step needs
+    nothing more."""
+    return type(model).call is keras.Model.call and all(
+        layer.built for layer in model._flatten_layers(include_self=False))
+
+
 def _symbolic(value):
     if value is None:
         return None
@@ -149,7 +158,12 @@ class ParallelModel(keras.Model):
         self.built = True  # the template builds itself when first called
 
     def call(self, inputs, *args, **kwargs):
-        return self.template(self._backend.untag(inputs), *args, **kwargs)
+        # Keras calls the model itself on `x` of a batch to build it (predict on a partly
+        # built model): a tagged batch holds `(x,)`, the template takes its `x`.
+        rows = self._backend.untag(inputs)
+        if rows is not inputs:
+            rows, _, _ = keras.utils.unpack_x_y_sample_weight(rows)
+        return self.template(rows, *args, **kwargs)
 
     # -- state ------------------------------------------------------------
 
@@ -161,17 +175,19 @@ class ParallelModel(keras.Model):
         return self.template.get_metrics_result()
 
     def _state(self):
+        """Every variable a call uses, and the template's optimizers (a model may have
+        several: a GAN's `d_optimizer` and `g_optimizer`)."""
+        optimizers = _optimizers(self.template)
         variables = list(self.template.variables) + list(self.metrics_variables)
-        optimizer = getattr(self, "optimizer", None)
-        if optimizer is not None:
+        for optimizer in optimizers:
             # Includes the iteration count and learning rate, which exist
             # before the optimizer is built.
             variables += list(optimizer.variables)
-        return variables, optimizer
+        return variables, optimizers
 
     def _replicate_state(self):
-        variables, optimizer = self._state()
-        self._backend.replicate(variables, self._distribution, optimizer=optimizer)
+        variables, optimizers = self._state()
+        self._backend.replicate(variables, self._distribution, optimizers=optimizers)
 
     def _scope(self):
         return self._backend.scope(self._distribution)
@@ -191,8 +207,8 @@ class ParallelModel(keras.Model):
         finally:
             self._active -= 1
             if not self._active:
-                variables, optimizer = self._state()
-                self._backend.release(variables, self._distribution, optimizer=optimizer,
+                variables, optimizers = self._state()
+                self._backend.release(variables, self._distribution, optimizers=optimizers,
                                       failed=failed)
 
     def reset_metrics(self):
@@ -226,6 +242,11 @@ class ParallelModel(keras.Model):
         # Trainers that build before tracing (TensorFlow's) call this. The
         # batch is described by the engine, not read, so that shuffling draws
         # what one device's `fit` draws.
+        if _builds_in_its_step(self.template):
+            # As Keras's own TensorFlow trainer without a strategy: nothing is built up
+            # front, the model's step creates what it needs (in the engine's scope).
+            self.built = True
+            return
         if iterator is not None and data_batch is None:
             data_batch = self._backend.batch_spec(iterator)
         with self._scope():
@@ -233,16 +254,21 @@ class ParallelModel(keras.Model):
 
     # -- compile ---------------------------------------------------------
 
-    def compile(self, optimizer="rmsprop", loss=None, **kwargs):
-        """Compiles the template with these arguments (Keras's `compile`).
+    def compile(self, *args, **kwargs):
+        """Compiles the template with exactly these arguments.
 
-        The wrapper trains with the template's compiled loss, metrics and
-        optimizer, so a file saved from the template resumes training like
-        any compiled Keras model.
+        They go to the template's own `compile` as given: Keras's, or a
+        model's own signature (a GAN's `compile(d_optimizer, g_optimizer,
+        loss_fn)`). The wrapper trains with what that compile sets up (the
+        template's compiled loss, metrics and optimizers), so a file saved
+        from the template resumes training like any compiled Keras model.
         """
-        _check_gradient_accumulation(optimizer)
-        _check_reductions(loss)
-        self.template.compile(optimizer=optimizer, loss=loss, **kwargs)
+        given = _compile_arguments(self.template, args, kwargs)
+        if "optimizer" in given:
+            _check_gradient_accumulation(given["optimizer"])
+        if "loss" in given:
+            _check_reductions(given["loss"])
+        self.template.compile(*args, **kwargs)
         self._sync_compile()
 
     def _sync_compile(self):
@@ -255,7 +281,8 @@ class ParallelModel(keras.Model):
         config = getattr(template, "_compile_config", None)
         if not getattr(template, "compiled", False) or config is self._synced_compile:
             return
-        _check_gradient_accumulation(template.optimizer)
+        for optimizer in _optimizers(template):
+            _check_gradient_accumulation(optimizer)
         with self._scope():
             super().compile(
                 optimizer=template.optimizer,
@@ -662,6 +689,33 @@ def _check_targets(template, x, y, method, step):
         f"compares predictions with targets. Pass y=..., or, for a model that computes "
         "its own loss (in its train_step or with add_loss), compile it without a loss."
     )
+
+
+def _optimizers(model):
+    """The model's optimizers: its compiled one, and any other it holds as an attribute
+    (directly, or in a list, tuple or dict), each once."""
+    found = []
+
+    def add(value):
+        if isinstance(value, keras.optimizers.Optimizer) and all(value is not f for f in found):
+            found.append(value)
+
+    add(getattr(model, "optimizer", None))
+    for value in vars(model).values():
+        if isinstance(value, dict):
+            value = list(value.values())
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            add(item)
+    return found
+
+
+def _compile_arguments(template, args, kwargs):
+    """The arguments of a `compile` call by parameter name, where they bind to the template's
+    `compile` (else none: its own call then raises the user's error)."""
+    try:
+        return inspect.signature(template.compile).bind_partial(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        return {}
 
 
 def _check_gradient_accumulation(optimizer):

@@ -16,10 +16,10 @@ Every backend module defines the names in `API`:
 - `scope(distribution)`: a context manager in which the engine's steps run
   and new variables are created replicated.
 - `jit_compile(value)`: the `jit_compile` the engine's steps can take.
-- `replicate(variables, distribution, optimizer=None)`: place existing
+- `replicate(variables, distribution, optimizers=())`: place existing
   variables on every device of `distribution` (models are usually built
-  before it exists), and point `optimizer` at the engine.
-- `release(variables, distribution, optimizer=None, failed=False)`: at the
+  before it exists), and point the model's `optimizers` at the engine.
+- `release(variables, distribution, optimizers=(), failed=False)`: at the
   end of a call (`failed`: ended by an exception), leave the variables
   usable by the model alone (outside the engine).
 - `resident(arrays, distribution)`: place a dataset on the devices once and

@@ -623,7 +623,7 @@ def _replicated_across_processes(variables, target):
     return values
 
 
-def replicate(variables, distribution, optimizer=None):
+def replicate(variables, distribution, optimizers=()):
     mesh = distribution.device_mesh.backend_mesh
     target = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     stale = []
@@ -652,7 +652,7 @@ def replicate(variables, distribution, optimizer=None):
         variable.assign(value)
 
 
-def release(variables, distribution, optimizer=None, failed=False):
+def release(variables, distribution, optimizers=(), failed=False):
     """Nothing to undo: replicated arrays serve the model on one device too.
 
     (With several processes they span every process: the model then runs, as it

@@ -68,6 +68,7 @@ from keras.src.losses import loss as loss_module
 from keras.src.metrics import reduction_metrics
 from keras.src.random import seed_generator
 from keras.src.saving import saving_api
+from keras.src.trainers import trainer as base_trainer
 from tensorflow.python.distribute import collective_all_reduce_strategy as tf_collective
 from tensorflow.python.distribute import multi_worker_util
 from tensorflow.python.distribute.cluster_resolver import tfconfig_cluster_resolver
@@ -235,7 +236,7 @@ def _reindex(optimizer):
         }
 
 
-def replicate(variables, distribution, optimizer=None):
+def replicate(variables, distribution, optimizers=()):
     """Puts each variable's value on every device of `distribution`, for one call.
 
     The `keras.Variable` objects stay the same; only the TensorFlow variable
@@ -269,13 +270,15 @@ def replicate(variables, distribution, optimizer=None):
                 mirrored.assign(current)
         variable._value = mirrored
         swapped = True
-    if optimizer is not None:
+    for optimizer in optimizers:
+        # Optimizers made outside the strategy (all of a GAN's, before it is compiled in a
+        # scope) take their strategy at construction: each is pointed at this one.
         optimizer._distribution_strategy = strategy
         if swapped:
             _reindex(optimizer)
 
 
-def release(variables, distribution, optimizer=None, failed=False):
+def release(variables, distribution, optimizers=(), failed=False):
     """Swaps plain variables, holding the trained values, back in after a call.
 
     The user's model then trains, predicts and saves on its own, outside any
@@ -303,7 +306,7 @@ def release(variables, distribution, optimizer=None, failed=False):
         else:
             plain.assign(current)
         variable._value = plain
-    if optimizer is not None:
+    for optimizer in optimizers:
         optimizer._distribution_strategy = tf.distribute.get_strategy()
         _reindex(optimizer)
 
@@ -587,7 +590,16 @@ def _unsummable(gradient, reduced):
 
 
 def _apply(original, self, grads, trainable_variables=None):
-    """Weighted all-reduce of the gradients, then the optimizer's own apply."""
+    """Weighted all-reduce of the gradients, then the optimizer's own apply.
+
+    An optimizer first used inside the step (a GAN's `d_optimizer`, built by its first
+    `apply`) is built outside the traced step first, as the model's own optimizer is
+    before the step: mirrored variables made inside a replica's traced step have
+    initialisers `tf.function` cannot lift, and the step it then builds around them fails.
+    """
+    if not self.built and trainable_variables is not None:
+        with tf.init_scope(), keras.name_scope(self.name, caller=self):
+            self.build(list(trainable_variables))
     present = [_summable(_weighed(g)) for g in grads if g is not None]
     if present:
         reduced = iter(_all_reduce(present))
@@ -670,12 +682,27 @@ def _apply_mask(*args, **kwargs):
     return shared.apply_mask(*args, **kwargs, all_reduce=_all_reduce, replica=_replica)
 
 
+def _additional_loss(original, self, loss):
+    """Keras's sum of an `add_loss` value, as a rule: a value with a row per sample (Keras's
+    CTC example adds one) is summed over the batch, so this replica's part of the sum is
+    rescaled as `reduction="sum"` is. Scalars (means, regularisers) are weighed as means."""
+    total = original(self, loss)
+    k, _, _ = _replica.counts
+    # A replica without rows adds nothing (a mean over no rows is NaN).
+    total = tf.where(k > 0, total, tf.zeros_like(total))
+    if loss.shape.rank is None or loss.shape.rank == 0 or loss.shape[0] is not None:
+        return total  # a static first dimension is not this step's rows
+    return tf.where(tf.equal(tf.shape(loss)[0], k), total * _share(total.dtype), total)
+
+
 def _mean_update(original, self, values, sample_weight=None):
     values = tf.convert_to_tensor(values)
-    if sample_weight is None and values.shape.rank == 0:
+    if values.shape.rank == 0:
+        # A replica without rows weighs nothing: its value (a mean over no rows: NaN) too.
         weight = _weight(values.dtype)
         values = tf.where(weight > 0, values, tf.zeros_like(values))
-        sample_weight = weight
+        if sample_weight is None:
+            sample_weight = weight
     return original(self, values, sample_weight=sample_weight)
 
 
@@ -744,13 +771,16 @@ class _Drawn(seed_generator.SeedGenerator):
 
 
 def _batch_draw(draw, shape, seed):
-    """`draw(shape, seed)`, where a first dimension equal to the replica's rows is the batch.
+    """`draw(shape, seed)`, where a first dimension of whole multiples of the replica's rows is
+    the batch's.
 
-    Such a draw is made for the global batch and this replica's rows are
-    taken from it, so that every row gets the numbers it gets on one device
-    (a replica drawing for its own rows alone would give each replica the
-    first rows' numbers). Other draws are the replica's own: their shape does
-    not depend on the batch, and each replica draws what one device does.
+    Such a draw is made for the global batch and this replica's rows are taken from it,
+    so that every row gets the numbers it gets on one device (a replica drawing for its
+    own rows alone would give each replica the first rows' numbers). A first dimension of
+    c times the rows is c blocks of them, as one device's draw for c times its rows holds
+    them (a GAN's noise for its real and generated rows, concatenated): this replica's
+    rows of each block are taken. Other draws are the replica's own: their shape does not
+    depend on the batch, and each replica draws what one device does.
     """
     if isinstance(shape, tf.TensorShape):
         shape = shape.as_list()
@@ -759,14 +789,19 @@ def _batch_draw(draw, shape, seed):
     seed = _Drawn(seed_generator.draw_seed(seed))
     k, n, start = _replica.counts
     rows = tf.cast(shape[0], "int32")
-    rest = shape[1:]
+    rest = tf.cast(shape[1:], "int32") if tf.is_tensor(shape) else [
+        tf.cast(d, "int32") for d in shape[1:]]
+    blocks = tf.math.floordiv(rows, tf.maximum(k, 1))
 
     def global_rows():
-        drawn = draw(tf.concat([n[None], tf.cast(rest, "int32")], 0) if tf.is_tensor(shape)
-                     else [n, *rest], seed)
-        return drawn[start : start + rows]
+        drawn = draw(tf.concat([(blocks * n)[None], rest], 0) if tf.is_tensor(shape)
+                     else [blocks * n, *rest], seed)
+        mine = tf.reshape(tf.range(blocks)[:, None] * n + start + tf.range(k)[None, :], [-1])
+        return tf.gather(drawn, mine)
 
-    return tf.cond(tf.equal(rows, k), global_rows, lambda: draw(shape, seed))
+    batch_shaped = tf.logical_and(k > 0, tf.equal(rows, blocks * k))
+    return tf.cond(tf.logical_and(batch_shaped, blocks > 0), global_rows,
+                   lambda: draw(shape, seed))
 
 
 def _random(*args, **kwargs):
@@ -847,6 +882,7 @@ def _rules_table():
         (loss_module, "unscale_loss_for_distribution", _scale),
         (loss_module, "reduce_values", _reduce_values),
         (loss_module, "apply_mask", _apply_mask),
+        (base_trainer.Trainer, "_aggregate_additional_loss", _additional_loss),
         (reduction_metrics.Mean, "update_state", _mean_update),
         (batch_normalization.BatchNormalization, "_moments", _moments),
         *((tf_random, name, _random) for name in ("normal", "uniform", "truncated_normal",

@@ -55,6 +55,7 @@ from keras.src.metrics import reduction_metrics
 from keras.src.optimizers import base_optimizer
 from keras.src.random import seed_generator
 from keras.src.saving import saving_api
+from keras.src.trainers import trainer as base_trainer
 
 from keras_multigpu import devices as devices_lib
 from keras_multigpu import interrupt
@@ -287,13 +288,13 @@ def _active(distribution):
     return distribution is not None and distribution.world > 1
 
 
-def replicate(variables, distribution, optimizer=None):
+def replicate(variables, distribution, optimizers=()):
     """Gives every process rank 0's values (the template's, the optimizer's, the metrics')."""
     if _active(distribution):
         _broadcast([v for v in variables if v._value is not None])
 
 
-def release(variables, distribution, optimizer=None, failed=False):
+def release(variables, distribution, optimizers=(), failed=False):
     """Ends the call at a barrier, so files rank 0 wrote during it are there for every rank.
 
     Not after a failure: the other processes may never reach it.
@@ -500,12 +501,29 @@ def _apply_mask(*args, **kwargs):
     return shared.apply_mask(*args, **kwargs, all_reduce=_all_reduce, replica=_replica)
 
 
+def _additional_loss(original, self, loss):
+    """Keras's sum of an `add_loss` value, as a rule: a value with a row per sample (Keras's
+    CTC example adds one) is summed over the batch, so this process's part of the sum is
+    rescaled as `reduction="sum"` is. Scalars (means, regularisers) are weighed as means. A
+    first dimension that equals the rows by chance is taken for the batch's."""
+    total = original(self, loss)
+    k, n, _ = _replica.counts
+    if k == 0:
+        # No rows: nothing added (a mean over no rows is NaN), still a function of the model.
+        return torch.nan_to_num(total, nan=0.0) * 0
+    if loss.ndim == 0 or int(loss.shape[0]) != k:
+        return total
+    return total * _rescale(n, k, total.dtype)
+
+
 def _mean_update(original, self, values, sample_weight=None):
     values = keras.ops.convert_to_tensor(values)
-    if sample_weight is None and values.ndim == 0:
+    if values.ndim == 0:
+        # A process without rows weighs nothing: its value (a mean over no rows: NaN) too.
         weight = _weight()
         values = values if weight > 0 else keras.ops.zeros_like(values)
-        sample_weight = weight
+        if sample_weight is None:
+            sample_weight = weight
     return original(self, values, sample_weight=sample_weight)
 
 
@@ -581,20 +599,30 @@ class _Drawn(seed_generator.SeedGenerator):
 
 
 def _batch_draw(draw, shape, seed):
-    """`draw(shape, seed)`; a draw whose first dimension is this process's rows is made for
-    the global batch and sliced, so every row gets the numbers it gets on one device.
+    """`draw(shape, seed)`; a draw whose first dimension is whole multiples of this
+    process's rows is made for the global batch and this process's rows are taken from it,
+    so that every row gets the numbers it gets on one device.
 
-    In eager torch a shape is plain ints: a first dimension equal to k (and not n)
-    is taken for the batch's.
+    A first dimension of c times the rows is c blocks of them, as one device's draw for
+    c times its rows holds them (a GAN's noise for its real and generated rows,
+    concatenated). In eager torch a shape is plain ints: a first dimension that is a
+    multiple of k by chance is taken for the batch's too.
     """
     shape = list(shape)
     k, n, start = _replica.counts
-    if not shape or int(shape[0]) != k or k == n:
+    rows = int(shape[0]) if shape else 0
+    if not shape or k == n or (k and rows % k) or bool(k) != bool(rows):
         return draw(shape, seed)
+    # A process with no rows draws one block, as many numbers as a draw shaped by the
+    # batch (the common case) takes from the generators the others draw from.
+    blocks = rows // k if k else 1
     if seed is not None and not (isinstance(seed, seed_generator.SeedGenerator)
                                  and seed._initial_seed is None):
         seed = _Drawn(seed_generator.draw_seed(seed))
-    return draw([n, *shape[1:]], seed)[start:start + k]
+    drawn = draw([blocks * n, *shape[1:]], seed)
+    if blocks == 1:
+        return drawn[start:start + k]
+    return torch.cat([drawn[b * n + start:b * n + start + k] for b in range(blocks)])
 
 
 def _random(*args, **kwargs):
@@ -671,6 +699,7 @@ def _rules_table():
         (base_optimizer.BaseOptimizer, "apply", _apply, _weight),
         (loss_module, "reduce_values", _reduce_values, _weight),
         (loss_module, "apply_mask", _apply_mask, _weight),
+        (base_trainer.Trainer, "_aggregate_additional_loss", _additional_loss, _weight),
         (reduction_metrics.Mean, "update_state", _mean_update, _weight),
         (batch_normalization.BatchNormalization, "_moments", _moments, _weight),
         *((torch_random, name, _random, _weight)
