@@ -14,7 +14,7 @@ from keras_multigpu.devices import Device
 
 def test_backend_names():
     assert backends.BACKENDS == ("jax", "tensorflow", "torch")
-    assert len(set(backends.API)) == len(backends.API) == 19
+    assert len(set(backends.API)) == len(backends.API) == 20
     assert "resident" in backends.API
 
 
@@ -94,16 +94,18 @@ def test_jax_process_rank():
     assert jax_backend.process_count() == 1
 
 
-def test_virtual_devices_raise_the_collective_timeouts_the_jaxlib_has():
+def test_virtual_devices_set_the_collective_timeouts_the_jaxlib_has(monkeypatch):
     from keras_multigpu import _xla
 
     flags = _xla.virtual_device_flags(2, "--xla_cpu_collective_timeout_seconds=5 --foo=1")
     assert "--xla_force_host_platform_device_count=2" in flags.split()
     assert "--xla_cpu_collective_timeout_seconds=5" in flags.split()  # the user's value stays
-    assert "--xla_cpu_collective_timeout_seconds=3600" not in flags
     assert "--foo=1" in flags.split()
+    # XLA's own end comes after KERAS_MULTIGPU_TIMEOUT (the engine's watchdog speaks first).
+    monkeypatch.setenv("KERAS_MULTIGPU_TIMEOUT", "20")
     if _xla.knows("--xla_cpu_collective_call_terminate_timeout_seconds"):
-        assert "--xla_cpu_collective_call_terminate_timeout_seconds=3600" in flags.split()
+        assert "--xla_cpu_collective_call_terminate_timeout_seconds=80" in (
+            _xla.virtual_device_flags(2, "").split())
     one = _xla.virtual_device_flags(1, "")
     assert one == "--xla_force_host_platform_device_count=1"  # one device: no collectives
 
@@ -111,6 +113,6 @@ def test_virtual_devices_raise_the_collective_timeouts_the_jaxlib_has():
 def test_a_flag_the_jaxlib_lacks_is_never_added(monkeypatch):
     from keras_multigpu import _xla
 
-    monkeypatch.setitem(_xla.CPU_COLLECTIVE_TIMEOUTS, "--xla_no_such_flag_in_any_jaxlib", 1)
+    monkeypatch.setattr(_xla, "CPU_COLLECTIVE_TIMEOUTS", ("--xla_no_such_flag_in_any_jaxlib",))
     assert not _xla.knows("--xla_no_such_flag_in_any_jaxlib")
     assert "no_such_flag" not in _xla.virtual_device_flags(2, "")

@@ -143,11 +143,13 @@ HOGGED = textwrap.dedent(
 
 def test_a_two_device_fit_survives_a_cpu_hog(tmp_path):
     """Every core busy with another process: the device threads are starved, and XLA's CPU
-    collectives, whose timeout is raised, wait for them instead of aborting the process."""
+    collectives, whose timeout follows KERAS_MULTIGPU_TIMEOUT, wait for them instead of
+    aborting the process."""
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
             for _ in range(os.cpu_count() or 2)]
     try:
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        env["KERAS_MULTIGPU_TIMEOUT"] = "300"
         result = subprocess.run([sys.executable, "-c", HOGGED], capture_output=True, text=True,
                                 env=env, timeout=600)
     finally:
@@ -157,4 +159,48 @@ def test_a_two_device_fit_survives_a_cpu_hog(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     facts = json.loads(result.stdout.strip().splitlines()[-1])
     assert facts["epochs"] == 3
-    assert "--xla_cpu_collective_call_terminate_timeout_seconds=3600" in facts["flags"]
+    from keras_multigpu import _xla
+
+    if _xla.knows("--xla_cpu_collective_call_terminate_timeout_seconds"):
+        assert "--xla_cpu_collective_call_terminate_timeout_seconds=360" in facts["flags"]
+
+
+STUCK = textwrap.dedent(
+    r"""
+    import os, time
+    os.environ["KERAS_BACKEND"] = "jax"
+    os.environ["KERAS_MULTIGPU_CPU_DEVICES"] = "2"
+    os.environ["KERAS_MULTIGPU_TIMEOUT"] = "3"
+    import jax, keras, numpy as np
+    import keras_multigpu as kmg
+
+    class Stuck(keras.layers.Layer):
+        # A step that never finishes, as a deadlocked collective: a host callback that waits.
+        def call(self, x):
+            def wait(value):
+                time.sleep(600)
+                return value
+            return jax.pure_callback(wait, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+    model = keras.Sequential([keras.Input((4,)), Stuck(), keras.layers.Dense(2)])
+    parallel = kmg.multi_gpu_model(model, gpus=2)
+    parallel.compile(optimizer="sgd", loss="mse")
+    parallel.fit(np.ones((8, 4), "float32"), np.ones((8, 2), "float32"), batch_size=4,
+                 epochs=1, verbose=0)
+    print("FINISHED")
+    """
+)
+
+
+def test_a_step_that_never_finishes_ends_with_the_librarys_message():
+    """A step whose collective never completes blocks inside XLA: after KERAS_MULTIGPU_TIMEOUT
+    seconds the process says so and exits, instead of waiting in silence."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", STUCK], capture_output=True, text=True,
+                            env=env, timeout=300)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "FINISHED" not in result.stdout
+    assert ("keras_multigpu: a training step has waited 3 s (KERAS_MULTIGPU_TIMEOUT=3) without "
+            "finishing" in result.stderr), result.stderr[-3000:]
+    assert time.monotonic() - start < 120

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -235,6 +236,47 @@ def test_ctrl_c_on_one_process_stops_every_process_at_the_same_step(tmp_path):
     assert all(len(s) == 1 for s in stops), "\n---\n".join(out[-3000:] for out in outs)
     assert stops[0] == stops[1]
     assert [process.returncode for process in processes] == [0, 0]
+
+
+def test_a_process_that_hangs_is_named_within_the_timeout(tmp_path):
+    """Process 1 hangs in a callback: process 0 waits for it at the next step boundary for
+    KERAS_MULTIGPU_TIMEOUT seconds, then fails naming the wait (it waited for ever before)."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import os, time
+        import keras, numpy as np
+        import keras_multigpu as kmg
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        parallel = kmg.multi_gpu_model(model)
+        parallel.compile(optimizer="sgd", loss="mse")
+
+        class Hang(keras.callbacks.Callback):
+            def on_epoch_begin(self, epoch, logs=None):
+                if epoch == 1 and os.environ["RANK"] == "1":
+                    time.sleep(600)
+
+        parallel.fit(np.ones((40, 4)), np.ones((40, 2)), batch_size=5, epochs=3, verbose=0,
+                     callbacks=[Hang()])
+    """))
+    port = _free_port()
+    start = time.monotonic()
+    first = subprocess.Popen([sys.executable, str(script)], env=_host(0, 2, port, 1, timeout=5),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    hung = subprocess.Popen([sys.executable, str(script)], env=_host(1, 2, port, 1, timeout=5),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        out, _ = first.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        first.kill()
+        pytest.fail("process 0 still waited for the hung process after 150 s")
+    finally:
+        hung.kill()
+        hung.wait()
+    assert first.returncode == 1, out[-3000:]
+    assert time.monotonic() - start < 120
+    assert ("Process 0 of 2 waited 5 s (KERAS_MULTIGPU_TIMEOUT) for process 1 at the step "
+            "boundary where every process checks for Ctrl-C" in out), out[-3000:]
 
 
 @pytest.mark.parametrize("unset, named", [

@@ -1,5 +1,7 @@
 """N devices give one device's results: weights, logs, evaluate and predict."""
 
+import os
+
 import keras
 import numpy as np
 import pytest
@@ -341,7 +343,58 @@ def test_no_compilation_after_the_first_epoch(dense_model, gpus):
     assert per_epoch[1:] == [per_epoch[0]] * 3
 
 
-def test_array_batches_are_gathered_on_the_devices(dense_model):
+@pytest.fixture
+def gather_on_cpu(monkeypatch):
+    """Lets the device-resident path (the GPU path) run on virtual CPU devices, which it
+    declines by default (XLA:CPU may deadlock on a machine with fewer free cores than
+    devices, see test_a_conv_fit_on_one_core_finishes): this machine's cores are free."""
+    from keras_multigpu.backends import jax as engine
+
+    monkeypatch.setattr(engine, "_gather_may_deadlock", lambda mesh: False)
+
+
+def test_several_cpu_devices_batch_on_the_host_and_one_device_keeps_arrays(dense_model):
+    x, y = classification_data(30)
+    assert kmg.multi_gpu_model(dense_model(), gpus=3)._padded(x, y, batch_size=8)[0].take is None
+    assert kmg.multi_gpu_model(dense_model(), gpus=1)._padded(x, y, batch_size=8)[0].take \
+        is not None
+
+
+CONV_ON_ONE_CORE = """
+import os, sys
+os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+os.environ["KERAS_BACKEND"] = "jax"
+os.environ["KERAS_MULTIGPU_CPU_DEVICES"] = "2"
+import keras, numpy as np
+import keras_multigpu as kmg
+keras.utils.set_random_seed(0)
+model = keras.Sequential([keras.Input((32, 32, 3)), keras.layers.Conv2D(32, 3, padding="same"),
+                          keras.layers.BatchNormalization(), keras.layers.ReLU(),
+                          keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(10)])
+parallel = kmg.multi_gpu_model(model, gpus=2)
+parallel.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(True))
+rng = np.random.default_rng(0)
+x, y = rng.random((1536, 32, 32, 3)).astype("float32"), rng.integers(0, 10, 1536)
+parallel.fit(x, y, batch_size=64, epochs=5, verbose=0)
+print("finished")
+"""
+
+
+def test_a_conv_fit_on_one_core_finishes():
+    """2 virtual CPU devices on one core: with the arrays gathered on the devices, this fit
+    froze in XLA (every time, in its 2nd or 3rd epoch); batched on the host, it finishes."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
+    env["KERAS_MULTIGPU_TIMEOUT"] = "60"
+    result = subprocess.run([sys.executable, "-c", CONV_ON_ONE_CORE], capture_output=True,
+                            text=True, env=env, timeout=240, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "finished" in result.stdout
+
+
+def test_array_batches_are_gathered_on_the_devices(dense_model, gather_on_cpu):
     import jax
 
     x, y = classification_data(30)
@@ -359,7 +412,8 @@ def test_array_batches_are_gathered_on_the_devices(dense_model):
     np.testing.assert_array_equal(np.asarray(batch_y), y[24:30])
 
 
-def test_large_arrays_stay_on_the_host_with_the_same_results(dense_model, monkeypatch):
+def test_large_arrays_stay_on_the_host_with_the_same_results(dense_model, monkeypatch,
+                                                             gather_on_cpu):
     from keras_multigpu import parallel as parallel_module
 
     x, y = classification_data(40)
@@ -401,7 +455,8 @@ def test_a_padded_step_compiles_to_the_same_collectives(conv_bn_model):
     assert found[12]["all-reduce"] > 0 and found[12]["all-gather"] == 0
 
 
-def test_the_resident_budget_counts_devices_and_their_free_memory(dense_model, monkeypatch):
+def test_the_resident_budget_counts_devices_and_their_free_memory(dense_model, monkeypatch,
+                                                                  gather_on_cpu):
     from keras_multigpu import parallel as parallel_module
     from keras_multigpu.backends import jax as engine
 
@@ -419,7 +474,7 @@ def test_the_resident_budget_counts_devices_and_their_free_memory(dense_model, m
 
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_the_host_path_prefetches_placed_batches_with_the_same_results(
-        dense_model, monkeypatch, shuffle):
+        dense_model, monkeypatch, shuffle, gather_on_cpu):
     import jax
 
     from keras_multigpu import parallel as parallel_module

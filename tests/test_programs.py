@@ -57,7 +57,8 @@ def _run(program, gpus, workdir, fit_kwargs=None, optimizer=None):
     epoch_totals = _EpochTotals()
     kwargs["callbacks"] = [*kwargs.get("callbacks", []), epoch_totals]
     history = target.fit(**kwargs)
-    predicted = target.predict(program.predict_x(), batch_size=25, verbose=0)
+    predicted = (target.predict(program.predict_x(), batch_size=25, verbose=0)
+                 if _predicts(program) else None)
     if keras.backend.backend() == "torch":
         # Keras's torch trainer keeps the training logs of metrics whose result() is a metric
         # variable itself (FalseNegatives, TruePositives, ...): the validation run resets that
@@ -80,6 +81,11 @@ class _EpochTotals(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         for key, value in self._last.items():
             self.totals.setdefault(key, []).append(value)
+
+
+def _predicts(program):
+    """Whether the program has a `call` to predict with (a GAN's model has none)."""
+    return getattr(program, "PREDICT", True)
 
 
 def _close(expected, actual, what):
@@ -120,6 +126,8 @@ def _compare(reference, run, gpus):
     assert len(weights) == len(ref_weights)
     for i, (expected, actual) in enumerate(zip(ref_weights, weights)):
         _close(expected, actual, f"{gpus} devices: weight {i} ({ref_model.weights[i].path})")
+    if ref_predicted is None:
+        return
     for i, (expected, actual) in enumerate(zip(keras.tree.flatten(ref_predicted),
                                                 keras.tree.flatten(predicted))):
         _close(expected, actual, f"{gpus} devices: predict output {i}")
@@ -132,14 +140,22 @@ import keras
 spec = importlib.util.spec_from_file_location("program", sys.argv[1])
 program = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(program)
-x = program.predict_x()
+predicts = getattr(program, "PREDICT", True)
 if program.SAVE == "keras":
     model = keras.saving.load_model(sys.argv[2])
-else:
+elif predicts:
+    x = program.predict_x()
     model = program.build()
     model.predict(keras.tree.map_structure(lambda a: a[:1], x), verbose=0)  # builds it
     model.load_weights(sys.argv[2])
-out = keras.tree.flatten(model.predict(x, batch_size=25, verbose=0))
+else:  # no call (a GAN): its sub-models are built, so it is
+    model = program.build()
+    model.built = True
+    model.load_weights(sys.argv[2])
+if predicts:
+    out = keras.tree.flatten(model.predict(program.predict_x(), batch_size=25, verbose=0))
+else:
+    out = model.get_weights()
 np.savez(sys.argv[3], *out)
 assert "keras_multigpu" not in sys.modules, "the reload imported keras_multigpu"
 try:
@@ -243,7 +259,8 @@ def _program_equals_one_device(name, program, tmp_path, optimizer, counts):
     reloaded = _reload_elsewhere(name, target, str(tmp_path / f"gpus{counts[-1]}"))
     if reloaded is None:
         return
-    expected = keras.tree.flatten(model.predict(program.predict_x(), batch_size=25, verbose=0))
+    expected = (keras.tree.flatten(model.predict(program.predict_x(), batch_size=25, verbose=0))
+                if _predicts(program) else model.get_weights())
     assert len(reloaded) == len(expected)
     for i, (a, b) in enumerate(zip(expected, reloaded)):
         _close(a, b, f"reloaded output {i}")

@@ -2,20 +2,23 @@
 
 import functools
 import importlib.util
+import math
 import mmap
 import os
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 # Virtual CPU devices are threads of one process. XLA ends the whole process
-# when a collective waits longer than these (40 s by default), which a thread
-# starved on a loaded machine can reach: a 2-device fit died at epoch 21 of 40
-# that way. An hour is for a thread that is slow, not one that is lost.
-CPU_COLLECTIVE_TIMEOUTS = {
-    "--xla_cpu_collective_call_terminate_timeout_seconds": 3600,
-    "--xla_cpu_collective_timeout_seconds": 3600,
-    "--xla_cpu_collective_call_warn_stuck_timeout_seconds": 300,
-}
+# when a collective waits longer than its own timeouts (40 s by default), which a
+# thread starved on a loaded machine can reach: a 2-device fit died at epoch 21
+# of 40 that way. They follow KERAS_MULTIGPU_TIMEOUT instead (default 300 s), plus
+# a margin: the JAX engine's watchdog ends a step that waits longer than that
+# with the library's message first (`backends.jax`), and XLA's is the backstop.
+BACKSTOP_SECONDS = 60
+CPU_COLLECTIVE_TIMEOUTS = (
+    "--xla_cpu_collective_call_terminate_timeout_seconds",
+    "--xla_cpu_collective_timeout_seconds",
+)
 
 
 @functools.cache
@@ -43,8 +46,10 @@ def knows(flag):
     return False
 
 
-def virtual_device_flags(count, xla_flags=""):
-    """`xla_flags` (a string) with `count` host devices and, for several, raised timeouts.
+def virtual_device_flags(count, xla_flags="", timeout=None):
+    """`xla_flags` (a string) with `count` host devices and, for several, XLA's CPU
+    collective timeouts at `timeout` seconds (default: KERAS_MULTIGPU_TIMEOUT, else 300)
+    plus BACKSTOP_SECONDS.
 
     A timeout already in `xla_flags` is kept; one the installed jaxlib lacks is
     not added.
@@ -52,7 +57,12 @@ def virtual_device_flags(count, xla_flags=""):
     flags = [f for f in xla_flags.split() if not f.startswith(DEVICE_COUNT_FLAG)]
     flags.append(f"{DEVICE_COUNT_FLAG}={count}")
     if count > 1:
-        for flag, seconds in CPU_COLLECTIVE_TIMEOUTS.items():
+        if timeout is None:
+            from keras_multigpu.devices import collective_timeout
+
+            timeout = collective_timeout()
+        seconds = math.ceil(timeout) + BACKSTOP_SECONDS
+        for flag in CPU_COLLECTIVE_TIMEOUTS:
             if not any(f.split("=")[0] == flag for f in flags) and knows(flag):
                 flags.append(f"{flag}={seconds}")
     return " ".join(flags)

@@ -294,6 +294,24 @@ class ParallelModel(keras.Model):
 
     # -- the template's steps ---------------------------------------------
 
+    def make_train_function(self, force=False):
+        super().make_train_function(force)
+        self.train_function = self._backend.watch(self.train_function, self._distribution,
+                                                  "a training step")
+        return self.train_function
+
+    def make_test_function(self, force=False):
+        super().make_test_function(force)
+        self.test_function = self._backend.watch(self.test_function, self._distribution,
+                                                 "an evaluation step")
+        return self.test_function
+
+    def make_predict_function(self, force=False):
+        super().make_predict_function(force)
+        self.predict_function = self._backend.watch(self.predict_function, self._distribution,
+                                                    "a prediction step")
+        return self.predict_function
+
     def train_step(self, *args):
         *state, data = args
         result = self._backend.run_step(lambda rows: self.template.train_step(*state, rows), data)

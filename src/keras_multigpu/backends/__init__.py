@@ -42,6 +42,9 @@ Every backend module defines the names in `API`:
   engine needs around it to make the result one device's (the TensorFlow
   and torch engines weigh each replica's reductions there). `rows_out`
   (predict): the result has a row per input row, and must hold all of them.
+- `watch(function, distribution, what)`: one of Keras's compiled steps
+  (`what` names it), ended with a clear message where a collective in it could
+  otherwise wait for ever.
 - `batch_spec(iterator)`: for trainers that build before tracing
   (TensorFlow's), the batch structure as KerasTensors, without reading a
   batch (None where the engine reads one itself).
@@ -73,6 +76,7 @@ API = (
     "tag",
     "untag",
     "run_step",
+    "watch",
     "batch_spec",
     "process_index",
     "process_count",

@@ -29,6 +29,7 @@ that the others fail too instead of waiting (`_leave_at_once_on_failure`).
 """
 
 import atexit
+import collections
 import contextlib
 import functools
 import json
@@ -39,6 +40,7 @@ import random
 import socket
 import struct
 import sys
+import threading
 import time
 import warnings
 import zlib
@@ -48,7 +50,6 @@ import keras
 import numpy as np
 from jax._src import distributed as jax_distributed
 from jax._src import xla_bridge
-from jax.experimental import multihost_utils
 from keras.src.backend.jax import distribution_lib as keras_jax_distribution
 from keras.src.saving import saving_api
 
@@ -340,12 +341,64 @@ def _agree_to_stop(requested):
     """Whether any process was asked to stop (Ctrl-C): all stop at the same step boundary.
 
     A process that stopped alone would leave the others waiting in the next step's
-    collectives. One all-gather of a flag per boundary (every process reaches the
-    same boundaries, in the main thread), about a millisecond between two CPU
-    processes.
+    collectives. One exchange of a flag per boundary (every process reaches the same
+    boundaries, in the main thread); a process that does not reach it within
+    KERAS_MULTIGPU_TIMEOUT (it hangs) is named, and this process fails.
     """
-    flags = multihost_utils.process_allgather(np.array([1 if requested else 0], "int32"))
-    return bool(np.asarray(flags).any())
+    flags = _exchange("the step boundary where every process checks for Ctrl-C",
+                      "1" if requested else "0")
+    return "1" in flags
+
+
+class CollectiveError(RuntimeError):
+    """Another process did not arrive at an exchange within KERAS_MULTIGPU_TIMEOUT."""
+
+
+_exchanges = iter(range(1 << 62))  # every process numbers its exchanges alike
+_CHUNK = 1 << 20  # bytes per key: the coordination service's messages stay small
+
+
+def _exchange(what, value):
+    """`value` (a str) from every process, in rank order, on every process (which must all
+    call it at the same point), through `jax.distributed`'s key-value store.
+
+    `multihost_utils.process_allgather` would wait for ever for a process that hangs;
+    here one that does not arrive within KERAS_MULTIGPU_TIMEOUT is named in a
+    `CollectiveError`. Each process deletes its previous exchange's keys: every process
+    has read them by the time it writes the next.
+    """
+    number = next(_exchanges)
+    client = jax_distributed.global_state.client
+    me, world = jax.process_index(), jax.process_count()
+    data = value.encode()
+    chunks = [data[i:i + _CHUNK] for i in range(0, len(data), _CHUNK)] or [b""]
+    prefix = f"keras_multigpu/exchange/{number}"
+    for i, chunk in enumerate(chunks):
+        client.key_value_set_bytes(f"{prefix}/{me}/{i}", chunk)
+    client.key_value_set(f"{prefix}/{me}/count", str(len(chunks)))
+    timeout = _timeout()
+    values = []
+    for rank in range(world):
+        if rank == me:
+            values.append(value)
+            continue
+        try:
+            count = int(client.blocking_key_value_get(f"{prefix}/{rank}/count",
+                                                      int(timeout * 1000)))
+            values.append(b"".join(
+                client.blocking_key_value_get_bytes(f"{prefix}/{rank}/{i}", int(timeout * 1000))
+                for i in range(count)).decode())
+        except Exception as error:  # noqa: BLE001 (XLA's own error types)
+            raise CollectiveError(
+                f"Process {me} of {world} waited {timeout:g} s ({TIMEOUT_ENV}) for process "
+                f"{rank} at {what}, and it did not get there: it hangs, is far behind, or "
+                "has stopped (see its own output). Every process must run the same program; "
+                f"raise {TIMEOUT_ENV} if one is slow for good reason."
+            ) from error
+    if number:
+        with contextlib.suppress(Exception):
+            client.key_value_delete(f"keras_multigpu/exchange/{number - 1}/{me}")
+    return values
 
 
 _failure = []  # the type of the exception this process is ending with, if any
@@ -608,10 +661,12 @@ def _replicated_across_processes(variables, target):
                                                    lambda index, host=host: host[index]))
         checked.append((variable, _fingerprint(host)))
     if checked:
-        mine = np.array([f for _, f in checked], "uint32")
-        everyone = np.asarray(multihost_utils.process_allgather(mine))
+        mine = [f for _, f in checked]
+        everyone = [json.loads(v) for v in _exchange(
+            "the start of a call, where every process checks that the weights are the same",
+            json.dumps(mine))]
         differ = [variable.path for i, (variable, _) in enumerate(checked)
-                  if (everyone[:, i] != mine[i]).any()]
+                  if any(other[i] != mine[i] for other in everyone)]
         if differ:
             raise RuntimeError(
                 f"The model's variables differ between the {jax.process_count()} processes "
@@ -672,6 +727,19 @@ def _gather(mesh):
                    out_shardings=split)
 
 
+def _gather_may_deadlock(mesh):
+    """Whether a gather program beside the step may deadlock XLA: on several CPU devices.
+
+    Virtual CPU devices are threads of this process. With the gather of the next batch
+    in flight beside the step, on a machine with fewer free cores than devices, one
+    device waited in the step's all-reduce while the other never started its program: a
+    2-device Conv2D/BatchNormalization fit froze in its 2nd or 3rd epoch, every time,
+    under `taskset -c 0` (keras.distribution and the host path finish). XLA:CPU's cause,
+    not this library's: there, batches come from the host.
+    """
+    return mesh.devices.size > 1 and any(d.platform == "cpu" for d in mesh.devices.flat)
+
+
 def resident(arrays, distribution):
     """Places `arrays` (a tree) on every device once; returns `take(index)`.
 
@@ -682,11 +750,14 @@ def resident(arrays, distribution):
 
     With several processes, declines (None): each batch is then placed from
     the host, each process copying only its own devices' rows of it, where a
-    resident dataset would be copied whole to every device of every host.
+    resident dataset would be copied whole to every device of every host. On
+    several CPU devices, declines too (`_gather_may_deadlock`).
     """
     if jax.process_count() > 1:
         return None
     mesh = distribution.device_mesh.backend_mesh
+    if _gather_may_deadlock(mesh):
+        return None
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     placed = jax.device_put(arrays, replicated)
     gather = _gather(mesh)
@@ -790,6 +861,107 @@ def batch_spec(iterator):
     return None
 
 
+# -- the watchdog ------------------------------------------------------------------
+#
+# A collective that never completes (XLA:CPU devices that deadlock, a process that hangs
+# inside a step) blocks inside XLA, where no Python exception can reach it, and XLA's own
+# CPU timeout is set past KERAS_MULTIGPU_TIMEOUT (`_xla`). So each step Keras dispatches is
+# watched: when no step has finished for KERAS_MULTIGPU_TIMEOUT seconds while one is in
+# flight, the process says which step waits and why, and exits (the launcher then stops
+# the others). Compilation happens before a step is dispatched and does not count.
+
+
+class _Watchdog:
+    def __init__(self, timeout):
+        self.timeout = timeout
+        self.pending = collections.deque()  # (what, when dispatched, an output array)
+        self.done = time.monotonic()
+        self.lock = threading.Lock()
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="keras_multigpu-watchdog",
+                                       daemon=True)
+        self.thread.start()
+        # Stopped before the interpreter finalizes: a daemon thread inside jaxlib then
+        # would be unwound through C++ frames, which aborts the process.
+        atexit.register(self.stop)
+
+    def stop(self):
+        self.stopped.set()
+        self.thread.join(timeout=5)
+
+    def dispatched(self, what, outputs):
+        # The logs (or predictions), never the state, whose buffers the next step donates.
+        logs = outputs[0] if isinstance(outputs, tuple) else outputs
+        leaf = next((a for a in jax.tree.leaves(logs) if isinstance(a, jax.Array)), None)
+        if leaf is not None:
+            with self.lock:
+                self.pending.append((what, time.monotonic(), leaf))
+
+    @staticmethod
+    def _ready(array):
+        try:
+            return array.is_ready()
+        except Exception:  # noqa: BLE001 (a deleted array is done with)
+            return True
+
+    def _watch(self):
+        while not self.stopped.wait(min(1.0, self.timeout / 10)):
+            now = time.monotonic()
+            with self.lock:
+                while self.pending and self._ready(self.pending[0][2]):
+                    self.pending.popleft()
+                    self.done = now
+                if not self.pending:
+                    self.done = now
+                    continue
+                what, since, _ = self.pending[0]
+                waited = now - max(since, self.done)
+            if waited > self.timeout:
+                _stuck(what, waited)
+
+
+def _stuck(what, waited):
+    devices = jax.devices()
+    where = (f"the {jax.process_count()} processes" if jax.process_count() > 1
+             else f"this process's {len(devices)} {devices[0].platform.upper()} devices")
+    message = (
+        f"keras_multigpu: {what} has waited {waited:.0f} s ({TIMEOUT_ENV}="
+        f"{_timeout():g}) without finishing: a device waits in a collective across {where} "
+        "for another that never joins it (a process that hangs, or XLA's CPU devices "
+        "deadlocked). Nothing can end that wait from Python: exiting. Raise "
+        f"{TIMEOUT_ENV} if one step is this slow for good reason.\n")
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os.write(2, message.encode())
+    os._exit(1)
+
+
+@functools.cache
+def _watchdog():
+    return _Watchdog(_timeout())
+
+
+def watch(function, distribution, what):
+    """`function` (one of Keras's compiled steps), its dispatches watched (see `_Watchdog`)
+    where a collective can wait for ever: across processes, or across CPU devices."""
+    devices = distribution.device_mesh.backend_mesh.devices.flat
+    several = jax.process_count() > 1 or (
+        distribution.device_mesh.backend_mesh.devices.size > 1
+        and any(d.platform == "cpu" for d in devices))
+    if not several or getattr(function, "_keras_multigpu_watched", False):
+        return function
+
+    @functools.wraps(function)
+    def watched(*args, **kwargs):
+        outputs = function(*args, **kwargs)
+        _watchdog().dispatched(what, outputs)
+        return outputs
+
+    watched._keras_multigpu_watched = True
+    return watched
+
+
 def process_index():
     return jax.process_index()
 
@@ -802,12 +974,7 @@ def all_gather_object(value):
     """`value` (JSON-able) from every process, in rank order; every process calls it."""
     if jax.process_count() == 1:
         return [value]
-    data = np.frombuffer(json.dumps(value).encode(), np.uint8)
-    sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], "int64")))
-    padded = np.zeros(int(sizes.max()), np.uint8)
-    padded[:data.size] = data
-    rows = np.asarray(multihost_utils.process_allgather(padded))
-    return [json.loads(bytes(row[:int(size)])) for row, size in zip(rows, sizes.ravel())]
+    return [json.loads(v) for v in _exchange("a gather of host figures", json.dumps(value))]
 
 
 # Several processes (hosts): join before anything starts JAX (see `_join`). Importing
