@@ -34,6 +34,26 @@ def cifar_dir():
     return None
 
 
+CIFAR_BATCH_FILES = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+
+
+def synthetic_cifar(root, rows=16):
+    """A CIFAR-10 folder in the dataset's own format (pickled batches of uint8 rows), with
+    `rows` random images per batch file, for tests that need the format, not the images."""
+    import pickle
+
+    folder = os.path.join(str(root), "cifar-10-batches-py")
+    os.makedirs(folder, exist_ok=True)
+    for seed, name in enumerate(CIFAR_BATCH_FILES):
+        rng = np.random.default_rng(seed)
+        batch = {b"batch_label": name.encode(),
+                 b"labels": [int(v) for v in rng.integers(0, 10, rows)],
+                 b"data": rng.integers(0, 256, (rows, 3072), dtype=np.uint8)}
+        with open(os.path.join(folder, name), "wb") as f:
+            pickle.dump(batch, f, protocol=2)
+    return folder
+
+
 @pytest.fixture
 def dense_model():
     """A small model with no batch statistics: every result must be exact."""
@@ -110,4 +130,4 @@ def pytest_pyfunc_call(pyfuncitem):
     return True
 
 
-__all__ = ["kmg", "classification_data", "assert_weights_close", "cifar_dir"]
+__all__ = ["kmg", "classification_data", "assert_weights_close", "cifar_dir", "synthetic_cifar"]

@@ -47,6 +47,10 @@ class Fault(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
 
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 1 and fault == "die-at-epoch-end" and os.environ.get("RANK", "0") == "0":
+            os._exit(17)  # after the epoch's checkpoint
+
     def on_train_batch_end(self, batch, logs=None):
         if self.epoch == 1 and batch == 2 and os.environ.get("RANK", "0") == "0":
             if fault == "die":
@@ -55,7 +59,8 @@ class Fault(keras.callbacks.Callback):
                 os.kill(os.getpid(), signal.SIGINT)
 
 
-callbacks = [Checkpoint(folder, every_steps=2, keep=2), Fault()]
+every = None if fault == "die-at-epoch-end" else 2  # (Keras's default: epoch ends only)
+callbacks = [Checkpoint(folder, save_freq=every or "epoch", keep=2), Fault()]
 history = parallel.fit(x, y, batch_size=25, epochs=4, callbacks=callbacks, verbose=0)
 if os.environ.get("RANK", "0") == "0":
     np.savez(out, *model.get_weights())
@@ -122,6 +127,9 @@ def _stopped_and_resumed(tmp_path, backend, fault):
         assert stopped.returncode != 0, stopped.stderr[-3000:]
         # every 2 steps of 4 per epoch, the last before step 3 of epoch 2: global step 6
         assert sorted(os.listdir(tmp_path / "ckpt")) == ["ckpt-000000004", "ckpt-000000006"]
+    elif fault == "die-at-epoch-end":
+        assert stopped.returncode != 0, stopped.stderr[-3000:]
+        assert sorted(os.listdir(tmp_path / "ckpt")) == ["ckpt-000000004", "ckpt-000000008"]
     else:
         assert stopped.returncode != 0
         assert "Stopped by Ctrl-C at a step boundary" in stopped.stderr, stopped.stderr[-3000:]
@@ -140,6 +148,15 @@ def test_a_run_killed_mid_epoch_resumes_to_the_uninterrupted_weights(
     _check_resumed(tmp_path, _whole(tmp_path_factory, backend), resumed)
 
 
+@pytest.mark.parametrize("backend", ["jax", "tensorflow", "torch"])
+def test_a_run_killed_after_an_epoch_resumes_to_the_uninterrupted_weights(
+        tmp_path, tmp_path_factory, backend):
+    """Checkpoints at epoch ends only (the default): the next epoch draws the order the
+    uninterrupted run draws, not the finished epoch's again."""
+    resumed = _stopped_and_resumed(tmp_path, backend, "die-at-epoch-end")
+    _check_resumed(tmp_path, _whole(tmp_path_factory, backend), resumed, done=2)
+
+
 def test_a_ctrl_c_checkpoints_at_the_step_boundary_and_resumes_exactly(
         tmp_path, tmp_path_factory):
     """A real SIGINT through the interrupt handler (the engine-independent path: JAX)."""
@@ -147,7 +164,7 @@ def test_a_ctrl_c_checkpoints_at_the_step_boundary_and_resumes_exactly(
     _check_resumed(tmp_path, _whole(tmp_path_factory, "jax"), resumed)
 
 
-def _check_resumed(tmp_path, whole, resumed):
+def _check_resumed(tmp_path, whole, resumed, done=1):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "Checkpoint: resuming from" in resumed.stdout + resumed.stderr
     for a, b in zip(_weights(whole), _weights(tmp_path / "resumed.npz")):
@@ -157,7 +174,7 @@ def _check_resumed(tmp_path, whole, resumed):
     # The resumed fit logs the epochs it ran: the interrupted one (its metrics before the
     # checkpoint restored, gathered from every process on torch) and those after it.
     for key, values in whole_logs.items():
-        np.testing.assert_allclose(resumed_logs[key], values[1:], rtol=1e-6, err_msg=key)
+        np.testing.assert_allclose(resumed_logs[key], values[done:], rtol=1e-6, err_msg=key)
 
 
 # -- in this process (JAX or whichever backend runs the suite) -------------------------
@@ -179,7 +196,7 @@ DATA = (np.random.RandomState(0).rand(40, 4).astype("float32"),
 def test_keeps_the_newest_and_writes_each_whole(tmp_path):
     _, parallel = _model()
     parallel.fit(*DATA, batch_size=8, epochs=3, verbose=0,
-                 callbacks=[Checkpoint(tmp_path, every_steps=2, keep=3)])
+                 callbacks=[Checkpoint(tmp_path, save_freq=2, keep=3)])
     names = sorted(os.listdir(tmp_path))
     assert names == ["ckpt-000000012", "ckpt-000000014", "ckpt-000000015"]
     for name in names:
@@ -230,6 +247,83 @@ def test_a_half_written_checkpoint_is_never_read_and_is_cleaned_up(tmp_path):
     assert not leftover.exists()
 
 
+PRUNED = """
+import os, shutil, sys
+os.environ["KERAS_BACKEND"] = "jax"
+import keras, numpy as np
+import keras_multigpu as kmg
+from keras_multigpu import callbacks
+
+real_rmtree = shutil.rmtree
+
+def killed_midway(path, ignore_errors=False):
+    # Pruning an old checkpoint deletes one file of it, then the process is killed (SIGKILL).
+    name = os.path.basename(path)
+    if not (name.startswith("ckpt-") or ".old-" in name):  # not a checkpoint being pruned
+        return real_rmtree(path, ignore_errors=ignore_errors)
+    os.remove(os.path.join(path, "model.keras"))
+    os._exit(9)
+
+keras.utils.set_random_seed(1)  # the model of _model() below
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
+                          keras.layers.Dense(1)])
+parallel = kmg.multi_gpu_model(model, gpus=1)
+parallel.compile(optimizer="adam", loss="mse")
+x, y = np.ones((16, 4), "float32"), np.ones((16, 1), "float32")
+parallel.fit(x, y, batch_size=8, epochs=2, verbose=0,
+             callbacks=[callbacks.Checkpoint(sys.argv[1], keep=2)])
+callbacks.shutil.rmtree = killed_midway  # the 3rd checkpoint retires the 1st
+parallel.fit(x, y, batch_size=8, epochs=3, verbose=0,
+             callbacks=[callbacks.Checkpoint(sys.argv[1], keep=2)])
+"""
+
+
+def test_a_kill_while_pruning_leaves_no_damaged_checkpoint(tmp_path):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("XLA_FLAGS", "KERAS_MULTIGPU_CPU_DEVICES")}
+    result = subprocess.run([sys.executable, "-c", PRUNED, str(tmp_path)], env=env,
+                            capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 9, result.stderr[-3000:]
+    # The half-removed folder is not under a checkpoint's name: every checkpoint reads.
+    found = Checkpoint(tmp_path).checkpoints()
+    assert [os.path.basename(p) for p in found] == ["ckpt-000000004", "ckpt-000000006"]
+    for path in found:
+        Checkpoint.read(path)
+    _, parallel = _model()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*cannot be read")
+        checkpoint = Checkpoint(tmp_path, keep=2)
+        parallel.fit(np.ones((16, 4), "float32"), np.ones((16, 1), "float32"), batch_size=8,
+                     epochs=4, verbose=0, callbacks=[checkpoint])
+    assert checkpoint.resumed_from == str(tmp_path / "ckpt-000000006")
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-000000006", "ckpt-000000008"]  # cleaned up
+
+
+def test_a_full_disk_names_the_checkpoint_and_keeps_the_earlier_ones(tmp_path, monkeypatch):
+    import errno
+
+    from keras.src.saving import saving_api
+
+    _, parallel = _model()
+    parallel.fit(*DATA, batch_size=8, epochs=1, verbose=0, callbacks=[Checkpoint(tmp_path)])
+    real = saving_api.save_model
+
+    def full(model, filepath, *args, **kwargs):
+        with open(filepath, "wb") as f:
+            f.write(b"PK\x03\x04 part of a file")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(saving_api, "save_model", full)
+    with pytest.raises(OSError, match=r"Checkpoint could not write .*ckpt-000000010 \(epoch 2, "
+                       r"step 5\): No space left on device\. The disk is full"):
+        parallel.fit(*DATA, batch_size=8, epochs=2, verbose=0, callbacks=[Checkpoint(tmp_path)])
+    monkeypatch.setattr(saving_api, "save_model", real)
+    assert os.listdir(tmp_path) == ["ckpt-000000005"]  # nothing half-written left
+    Checkpoint.read(str(tmp_path / "ckpt-000000005"))
+
+
 def test_a_checkpoint_of_other_data_is_refused(tmp_path):
     _, parallel = _model()
     parallel.fit(*DATA, batch_size=8, epochs=1, verbose=0, callbacks=[Checkpoint(tmp_path)])
@@ -239,8 +333,14 @@ def test_a_checkpoint_of_other_data_is_refused(tmp_path):
 
 
 def test_bad_arguments_and_inputs_are_refused_clearly(tmp_path):
-    with pytest.raises(ValueError, match="every_steps must be an int >= 1 or None"):
-        Checkpoint(tmp_path, every_steps=0)
+    with pytest.raises(ValueError, match="save_freq must be 'epoch' .* Received: save_freq=0"):
+        Checkpoint(tmp_path, save_freq=0)
+    with pytest.raises(ValueError, match="Received: save_freq='batch'"):
+        Checkpoint(tmp_path, save_freq="batch")
+    with pytest.raises(ValueError, match="not both"):
+        Checkpoint(tmp_path, save_freq=2, every_steps=3)
+    assert Checkpoint(tmp_path, every_steps=3).save_freq == 3  # the earlier name
+    assert Checkpoint(tmp_path).every_steps is None
     with pytest.raises(ValueError, match="keep must be an int >= 1"):
         Checkpoint(tmp_path, keep="3")
     model, parallel = _model()
@@ -253,7 +353,7 @@ def test_bad_arguments_and_inputs_are_refused_clearly(tmp_path):
 
     with pytest.raises(ValueError, match="cannot resume there"):
         parallel.fit(batches(), steps_per_epoch=2, epochs=1, verbose=0,
-                     callbacks=[Checkpoint(tmp_path, every_steps=1)])
+                     callbacks=[Checkpoint(tmp_path, save_freq=1)])
 
 
 def test_a_folder_that_cannot_be_written_fails_at_the_start(tmp_path):
@@ -296,9 +396,9 @@ def test_a_pydataset_resumes_mid_epoch(tmp_path):
     _, stopped = _model()
     with pytest.raises(RuntimeError, match="stop here"):
         stopped.fit(Batches(), epochs=3, verbose=0, shuffle=True,
-                    callbacks=[Checkpoint(tmp_path, every_steps=1), Stop()])
+                    callbacks=[Checkpoint(tmp_path, save_freq=1), Stop()])
     _, resumed = _model()
-    checkpoint = Checkpoint(tmp_path, every_steps=1)
+    checkpoint = Checkpoint(tmp_path, save_freq=1)
     resumed.fit(Batches(), epochs=3, verbose=0, shuffle=True, callbacks=[checkpoint])
     assert checkpoint.resumed_from == str(tmp_path / "ckpt-000000007")
     for a, b in zip(expected, resumed.get_weights()):

@@ -13,7 +13,7 @@ import keras
 import numpy as np
 import pytest
 
-from conftest import cifar_dir
+from conftest import cifar_dir, synthetic_cifar
 from keras_multigpu import callbacks as callbacks_lib
 from keras_multigpu import cli, experiment, interrupt
 from keras_multigpu.data import load_cifar10
@@ -153,6 +153,27 @@ def test_an_earlier_run_is_not_overwritten(tmp_path, capsys, command):
                    "(history.json, model.keras); pass --overwrite to replace them, or choose "
                    "another --output\n")
     assert (tmp_path / "model.keras").read_text() == "old"
+
+
+def test_a_second_run_into_the_same_output_at_once_is_refused(tmp_path):
+    """While one run holds --output (a claim held until it ends), another into the same
+    folder exits 2 at once, naming the holder, and writes nothing there."""
+    out = tmp_path / "run"
+    with cli._claimed(str(out), overwrite=True):
+        (out / "history.json").write_text("the first run's")
+        second = subprocess.run(
+            [sys.executable, "-m", "keras_multigpu.cli", "train", "--output", str(out),
+             "--overwrite", "--data-dir", synthetic_cifar(tmp_path / "data")],
+            capture_output=True, text=True, timeout=120, check=False,
+            env={**os.environ, "KERAS_BACKEND": "jax"})
+        assert second.returncode == 2, second.stderr[-2000:]
+        assert f"--output {out} is in use by another run (pid {os.getpid()}, started " in (
+            second.stderr), second.stderr[-2000:]
+        assert "Traceback" not in second.stderr
+    assert (out / "history.json").read_text() == "the first run's"
+    assert sorted(os.listdir(out)) == ["history.json"]  # the claim is gone with the run
+    with cli._claimed(str(out), overwrite=True):  # and the folder can be claimed again
+        pass
 
 
 def test_a_run_failing_before_its_first_file_leaves_no_folder(tmp_path, capsys):

@@ -52,7 +52,7 @@ def remove_leftovers(filepath, suffix=""):
     return removed
 
 
-def _hint(error):
+def hint(error):
     if error.errno == errno.ENOSPC:
         return "The disk is full: free some space or save elsewhere."
     if error.errno == errno.EFBIG:
@@ -90,7 +90,7 @@ def atomic_path(filepath, suffix=""):
         os.close(handle)
     except OSError as error:
         raise type(error)(error.errno, f"Cannot write {filepath}: {error.strerror}. "
-                                       f"{_hint(error)}") from error
+                                       f"{hint(error)}") from error
     try:
         try:
             yield tmp
@@ -101,7 +101,7 @@ def atomic_path(filepath, suffix=""):
                 raise OSError(f"Cannot write {filepath}: {error}. Check the path and the "
                               f"disk; {filepath} was left as it was.") from error
             raise type(error)(error.errno, f"Cannot write {filepath}: {error.strerror}. "
-                                           f"{_hint(error)} {filepath} was left as it was."
+                                           f"{hint(error)} {filepath} was left as it was."
                               ) from error
     finally:
         if os.path.exists(tmp):

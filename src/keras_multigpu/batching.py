@@ -339,7 +339,7 @@ class PaddedBatches(keras.utils.PyDataset):
     def resume(self, state, skip):
         raise ValueError(
             f"A {type(self).__name__} cannot resume in the middle of an epoch (its batches "
-            "are not indexed). Checkpoint at epoch ends only (Checkpoint(every_steps=None)), "
+            "are not indexed). Checkpoint at epoch ends only (Checkpoint(save_freq='epoch')), "
             "or pass arrays or a keras.utils.PyDataset."
         )
 

@@ -133,6 +133,16 @@ def _fsync_tree(directory):
         os.close(descriptor)
 
 
+def _retire(path):
+    """Removes checkpoint folder `path` without ever leaving a half-removed folder under a
+    checkpoint's name: renamed to a hidden name first (atomic), then deleted (a kill in
+    between leaves a hidden leftover that the next run's start removes)."""
+    directory, name = os.path.split(path)
+    old = os.path.join(directory, f".{name}.old-{os.getpid()}")
+    os.replace(path, old)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def _dead_leftover(name):
     """A `.ckpt-*.tmp-<pid>` or `.old-<pid>` folder whose writer is gone."""
     if not name.startswith("." + _PREFIX) or "-" not in name:
@@ -176,27 +186,37 @@ class Checkpoint(keras.callbacks.Callback):
 
     Args:
         directory: the folder of checkpoints (created if missing).
-        every_steps: also save every this many training steps (None: at
-            each epoch's end only). Mid-epoch saves need arrays or a
-            `PyDataset` of known length as input.
+        save_freq: `"epoch"` (the default) saves at each epoch's end; an
+            int N saves every N training steps too, as Keras's
+            `ModelCheckpoint(save_freq=N)` and `BackupAndRestore` count
+            them. Mid-epoch saves need arrays or a `PyDataset` of known
+            length as input.
         keep: how many checkpoints to keep, the newest (at least 1).
         resume: whether `fit` resumes from the newest checkpoint found.
+        every_steps: the same as an int `save_freq` (its earlier name).
     """
 
-    def __init__(self, directory, every_steps=None, keep=3, resume=True):
+    def __init__(self, directory, save_freq="epoch", keep=3, resume=True, every_steps=None):
         super().__init__()
         if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
             raise TypeError(f"directory must be a folder path. Received: {directory!r}.")
-        for name, value in (("every_steps", every_steps), ("keep", keep)):
-            if value is None and name == "every_steps":
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        if every_steps is not None:
+            if save_freq != "epoch":
                 raise ValueError(
-                    f"{name} must be an int >= 1{' or None' if name == 'every_steps' else ''}. "
-                    f"Received: {name}={value!r}."
-                )
+                    "Pass save_freq or every_steps (its earlier name), not both. Received: "
+                    f"save_freq={save_freq!r}, every_steps={every_steps!r}.")
+            save_freq = every_steps
+        if save_freq != "epoch" and (isinstance(save_freq, bool) or not isinstance(
+                save_freq, (int, np.integer)) or save_freq < 1):
+            raise ValueError(
+                "save_freq must be 'epoch' (a checkpoint at each epoch's end) or an int >= 1 "
+                f"(every that many steps, and at epoch ends). Received: save_freq={save_freq!r}."
+            )
+        if isinstance(keep, bool) or not isinstance(keep, (int, np.integer)) or keep < 1:
+            raise ValueError(f"keep must be an int >= 1. Received: keep={keep!r}.")
         self.directory = os.fspath(directory)
-        self.every_steps = every_steps
+        self.save_freq = save_freq
+        self.every_steps = None if save_freq == "epoch" else int(save_freq)
         self.keep = int(keep)
         self.resume = resume
         self.resumed_from = None  # the checkpoint `fit` resumed from, if any
@@ -288,8 +308,10 @@ class Checkpoint(keras.callbacks.Callback):
         model = self._parallel()
         position = dataset.position() if dataset is not None else None
         now = dataset._generators() if hasattr(dataset, "_generators") else None
-        if step == 0 or position is None:
-            # A pass not begun: the generators as they are now draw the next one.
+        whole = None if dataset is None else dataset.num_batches + dataset.skip
+        if step == 0 or position is None or step == whole:
+            # A pass not begun, or an epoch's end: the generators as they are now draw the
+            # next pass (not the finished pass's start, which would draw it again).
             generators, order = now, None
         else:
             generators, order = position["generators"], position["order"]
@@ -317,7 +339,11 @@ class Checkpoint(keras.callbacks.Callback):
         return state, arrays
 
     def save(self, epoch, step):
-        """Writes a checkpoint of the position `(epoch, step)` (steps done in `epoch`)."""
+        """Writes a checkpoint of the position `(epoch, step)` (steps done in `epoch`).
+
+        A checkpoint that cannot be written (a full disk) raises an `OSError` naming it;
+        the checkpoints before it stay whole, and nothing half-written is left.
+        """
         model = self._parallel()
         if self._last_saved == self._global:
             return
@@ -328,32 +354,39 @@ class Checkpoint(keras.callbacks.Callback):
         final = os.path.join(self.directory, name)
         tmp = os.path.join(self.directory, f".{name}.tmp-{os.getpid()}")
         writer = self._writer()
-        if writer:
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-        # Every process calls save (the engines write on the first and wait for it).
-        model.template.save(os.path.join(tmp, "model.keras"))
-        self._last_saved = self._global
-        # The epoch's metrics so far, for its logs after a resume: one device's state (with
-        # several processes, each holds a part; every process joins in gathering them).
-        whole = self._whole()
-        metrics = _metric_state(model) if whole is not None and 0 < step < whole else None
-        if not writer:
-            return
-        state, arrays = self._state(epoch, step, model._fit_dataset, metrics)
-        with open(os.path.join(tmp, "state.json"), "w") as f:
-            json.dump(state, f)
-        np.savez(os.path.join(tmp, "arrays.npz"), **arrays)
-        _fsync_tree(tmp)
-        if os.path.exists(final):  # the same step saved before (a resume): replace it
-            old = os.path.join(self.directory, f".{name}.old-{os.getpid()}")
-            os.replace(final, old)
+        try:
+            if writer:
+                shutil.rmtree(tmp, ignore_errors=True)
+                os.makedirs(tmp)
+            # Every process calls save (the engines write on the first and wait for it).
+            model.template.save(os.path.join(tmp, "model.keras"))
+            self._last_saved = self._global
+            # The epoch's metrics so far, for its logs after a resume: one device's state
+            # (with several processes, each holds a part; every process joins in gathering).
+            whole = self._whole()
+            metrics = _metric_state(model) if whole is not None and 0 < step < whole else None
+            if not writer:
+                return
+            state, arrays = self._state(epoch, step, model._fit_dataset, metrics)
+            with open(os.path.join(tmp, "state.json"), "w") as f:
+                json.dump(state, f)
+            np.savez(os.path.join(tmp, "arrays.npz"), **arrays)
+            _fsync_tree(tmp)
+            if os.path.exists(final):  # the same step saved before (a resume): replace it
+                _retire(final)
             os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
+        except OSError as error:
+            if writer:
+                shutil.rmtree(tmp, ignore_errors=True)
+            self._last_saved = None
+            raise OSError(
+                error.errno,
+                f"Checkpoint could not write {final} (epoch {epoch + 1}, step {step}): "
+                f"{error.strerror or error}. {_io.hint(error)} The checkpoints before it in "
+                f"{self.directory} are whole; a resumed run starts from the newest of them."
+            ) from error
         for stale in self.checkpoints()[:-self.keep]:
-            shutil.rmtree(stale, ignore_errors=True)
+            _retire(stale)
 
     # -- resuming --------------------------------------------------------
 
@@ -428,9 +461,9 @@ class Checkpoint(keras.callbacks.Callback):
         dataset = model._fit_dataset
         if self.every_steps and dataset is not None and not dataset.resumable:
             raise ValueError(
-                f"Checkpoint(every_steps={self.every_steps}) saves in the middle of epochs, "
+                f"Checkpoint(save_freq={self.every_steps}) saves in the middle of epochs, "
                 f"and this fit's input ({type(dataset).__name__}) cannot resume there. Pass "
-                "arrays or a keras.utils.PyDataset of known length, or every_steps=None "
+                "arrays or a keras.utils.PyDataset of known length, or save_freq='epoch' "
                 "(a checkpoint at each epoch's end)."
             )
         if self._writer():

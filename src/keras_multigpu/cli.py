@@ -134,12 +134,20 @@ def _prepare_devices(gpus):
         raise UsageError(f"--gpus: {text}") from None
 
 
+# Held by the run that writes into an --output folder (see `_claimed`).
+LOCK_NAME = ".keras-multigpu.lock"
+
+
+def _held_files(path):
+    return sorted(name for name in os.listdir(path) if name != LOCK_NAME)
+
+
 def _check_output(path, overwrite):
     """Refuses an `--output` that is not a folder, cannot be created, or holds files."""
     if not path.strip():
         raise UsageError("--output is empty; name a folder for the results")
     if os.path.isdir(path):
-        names = sorted(os.listdir(path))
+        names = _held_files(path)
         if names and not overwrite:
             shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
             raise UsageError(
@@ -180,6 +188,49 @@ def _no_empty_folders(path):
             for folder, _, _ in os.walk(missing, topdown=False):
                 with contextlib.suppress(OSError):
                     os.rmdir(folder)  # only an empty folder goes
+
+
+@contextlib.contextmanager
+def _claimed(path, overwrite):
+    """Holds `path` for this run: a second run into the same --output at the same time is
+    refused (its files would silently replace this run's), naming the process that holds it.
+
+    The claim is an exclusive `flock` on a lock file in the folder, released when the
+    process ends, however it ends (a kill leaves only the file, which claims nothing). The
+    run removes the file when it ends.
+    """
+    import fcntl
+    import time
+
+    os.makedirs(path, exist_ok=True)
+    lock = os.path.join(path, LOCK_NAME)
+    handle = open(lock, "a+")  # noqa: SIM115 (held for the run)
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise UsageError(
+            f"--output {path} is in use by another run ({holder}); wait for it to finish, "
+            "or choose another --output") from None
+    try:
+        # Checked again under the claim: a run that started meanwhile may have written.
+        names = _held_files(path)
+        if names and not overwrite:
+            raise UsageError(
+                f"--output {path} already holds files ({', '.join(names[:4])}"
+                f"{', ...' if len(names) > 4 else ''}); pass --overwrite to replace them, or "
+                "choose another --output")
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        handle.flush()
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(lock)
+        handle.close()
 
 
 def _add_training_flags(parser):
@@ -302,10 +353,14 @@ def _closing(summary, folder, verdict):
     return "; ".join(parts)
 
 
-def _train_one(config, target):
+def _train_one(config, target, overwrite=None):
+    """Runs one experiment into `config.output` (claimed for the run unless `overwrite` is
+    None: a `compare` claims the folder of all its runs)."""
     from keras_multigpu import experiment
 
-    with _no_empty_folders(config.output):
+    with _no_empty_folders(config.output), (
+            contextlib.nullcontext() if overwrite is None
+            else _claimed(config.output, overwrite)):
         summary = experiment.run(config)
     verdict, status = _verdict(summary["final_val_accuracy"], target)
     print(_closing(summary, config.output, verdict), flush=True)
@@ -316,7 +371,7 @@ def cmd_train(args):
     config = _config(args, args.gpus, args.output)
     _check_output(args.output, args.overwrite)
     _prepare_devices(args.gpus)
-    return _train_one(config, args.target_acc)[1]
+    return _train_one(config, args.target_acc, overwrite=args.overwrite)[1]
 
 
 def cmd_compare(args):
@@ -327,7 +382,7 @@ def cmd_compare(args):
     from keras_multigpu import plots
 
     runs, missed = [], []
-    with _no_empty_folders(args.output):
+    with _no_empty_folders(args.output), _claimed(args.output, args.overwrite):
         for config in configs:
             summary, status = _train_one(config, args.target_acc)
             if status:
