@@ -9,8 +9,7 @@ import pytest
 import keras_multigpu.batching
 from keras_multigpu.backends import jax as engine
 from keras_multigpu.batching import (
-    ArrayBatches,
-    WrappedPyDataset,
+    Feed,
     as_padded,
     pad_batch,
     pad_indices,
@@ -248,19 +247,31 @@ def test_untag_leaves_other_data_alone():
     assert engine.untag(batch) is batch
 
 
-# -- ArrayBatches ------------------------------------------------------------------
+# -- Feed: arrays --------------------------------------------------------------------
 
 
-def _epoch(ds):
+def _feed(x, y=None, sample_weight=None, *, batch_size, replicas, **kwargs):
+    return as_padded(x, y, sample_weight, batch_size=batch_size, replicas=replicas, tag=TAG,
+                     **kwargs)[1]
+
+
+def _batches(feed):
+    """One epoch of `feed`'s batches, driven as Keras's epoch iterator drives an adapter."""
+    feed.on_epoch_begin()
+    batches = list(feed.get_jax_iterator())
+    feed.on_epoch_end()
+    return batches
+
+
+def _epoch(feed):
     """The real rows' x values (a column of sample ids), batch by batch."""
     seen = []
-    for i in range(ds.num_batches):
-        batch = ds[i]
+    for batch in _batches(feed):
         if isinstance(batch[0], dict):  # tagged
             x_pad = _padded_parts(batch)[0]
-            assert x_pad.shape[0] % ds.replicas == 0
+            assert x_pad.shape[0] % feed.replicas == 0
         x, y = engine.untag(batch)
-        assert x.shape[0] % ds.replicas == 0 or isinstance(batch[0], dict)
+        assert x.shape[0] % feed.replicas == 0 or isinstance(batch[0], dict)
         np.testing.assert_array_equal(x[:, 0], y)  # x and y rows stay paired
         seen.append(x[:, 0].astype(int))
     return np.concatenate(seen)
@@ -270,104 +281,99 @@ def _ids(n):
     return np.arange(n, dtype="float32").reshape(n, 1), np.arange(n, dtype="float32")
 
 
-def test_array_batches_cover_every_sample_once_with_shuffle():
+def test_arrays_cover_every_sample_once_with_shuffle():
     x, y = _ids(50)
-    ds = ArrayBatches(x, y, None, plan(50, 8, 3), TAG, shuffle=True)
-    first = _epoch(ds)
+    feed = _feed(x, y, batch_size=8, replicas=3, shuffle=True)
+    first = _epoch(feed)
     assert sorted(first.tolist()) == list(range(50))
     assert first.tolist() != list(range(50))  # shuffled
-    second = _epoch(ds)
+    second = _epoch(feed)
     assert sorted(second.tolist()) == list(range(50))
     assert second.tolist() != first.tolist()
 
 
-def test_array_batches_without_shuffle_keep_the_order():
+def test_arrays_without_shuffle_keep_the_order():
     x, y = _ids(11)
-    ds = ArrayBatches(x, y, None, plan(11, 4, 3), TAG, shuffle=False)
-    assert _epoch(ds).tolist() == list(range(11))
-    assert _epoch(ds).tolist() == list(range(11))
+    feed = _feed(x, y, batch_size=4, replicas=3, shuffle=False)
+    assert _epoch(feed).tolist() == list(range(11))
+    assert _epoch(feed).tolist() == list(range(11))
 
 
-def test_array_batches_drop_remainder():
+def test_arrays_drop_remainder():
     x, y = _ids(10)
-    ds = ArrayBatches(x, y, None, plan(10, 4, 3, drop_remainder=True), TAG, shuffle=True)
-    assert ds.num_batches == 2
-    seen = _epoch(ds)
+    feed = _feed(x, y, batch_size=4, replicas=3, shuffle=True, drop_remainder=True)
+    assert feed.num_batches == 2
+    seen = _epoch(feed)
     assert len(seen) == 8
     assert len(set(seen.tolist())) == 8
 
 
-def _keras_epochs(x, y, batch_size, shuffle, epochs):
+def _keras_epochs(x, y, batch_size, shuffle, epochs, between=None):
     """The row order Keras's own array adapter yields, epoch by epoch."""
     from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
 
     adapter = ArrayDataAdapter(x, y, batch_size=batch_size, shuffle=shuffle)
-    return [
-        np.concatenate([np.asarray(bx)[:, 0] for bx, _ in adapter.get_jax_iterator()]).astype(int)
-        for _ in range(epochs)
-    ]
+    orders = []
+    for _ in range(epochs):
+        adapter.on_epoch_begin()
+        orders.append(np.concatenate(
+            [np.asarray(bx)[:, 0] for bx, _ in adapter.get_jax_iterator()]).astype(int))
+        adapter.on_epoch_end()
+        if between is not None:
+            between()
+    return orders
 
 
 @pytest.mark.parametrize("shuffle", [True, "batch"])
-def test_array_batches_draw_what_keras_draws(shuffle):
+def test_arrays_come_in_the_order_keras_draws(shuffle):
+    """The order is drawn by Keras's own array adapter (of the row indices), so it is
+    Keras's on any version; the global generators move on as after Keras's draws."""
     x, y = _ids(23)
     keras.utils.set_random_seed(7)
     expected = _keras_epochs(x, y, 5, shuffle, epochs=3)
     after_keras = np.random.random()
     keras.utils.set_random_seed(7)
-    rng = keras_multigpu.batching.RandomState()
-    ds = ArrayBatches(x, y, None, plan(23, 5, 2), TAG, shuffle=shuffle, rng=rng.numpy)
-    got = [_epoch(ds) for _ in range(3)]
+    feed = _feed(x, y, batch_size=5, replicas=2, shuffle=shuffle)
+    got = [_epoch(feed) for _ in range(3)]
     for e, g in zip(expected, got):
         assert e.tolist() == g.tolist()
     if shuffle == "batch":  # batches stay in order, rows shuffle within them
         assert sorted(got[0][:5].tolist()) == list(range(5))
-    rng.commit()  # the global generator moves on as after Keras's draws
     assert np.random.random() == after_keras
 
 
-def test_array_batches_order_ignores_global_draws_during_training():
+def test_a_draw_between_epochs_moves_the_order_as_in_keras():
+    """A callback drawing from NumPy between epochs changes the next order in Keras: here
+    too (the order is Keras's draw, from the same generator)."""
     x, y = _ids(30)
     keras.utils.set_random_seed(3)
-    rng = keras_multigpu.batching.RandomState()
-    quiet = ArrayBatches(x, y, None, plan(30, 8, 2), TAG, shuffle=True, rng=rng.numpy)
-    expected = [_epoch(quiet).tolist() for _ in range(2)]
+    expected = _keras_epochs(x, y, 8, True, epochs=3, between=lambda: np.random.permutation(9))
     keras.utils.set_random_seed(3)
-    rng = keras_multigpu.batching.RandomState()
-    noisy = ArrayBatches(x, y, None, plan(30, 8, 2), TAG, shuffle=True, rng=rng.numpy)
+    feed = _feed(x, y, batch_size=8, replicas=2, shuffle=True)
     got = []
-    for _ in range(2):
-        got.append(_epoch(noisy).tolist())
-        np.random.permutation(100)  # e.g. a callback drawing from NumPy
-    assert got == expected
+    for _ in range(3):
+        got.append(_epoch(feed).tolist())
+        np.random.permutation(9)
+    assert got == [e.tolist() for e in expected]
 
 
-def test_array_batches_index_out_of_range():
-    x, y = _ids(5)
-    ds = ArrayBatches(x, y, None, plan(5, 4, 2), TAG)
-    with pytest.raises(IndexError):
-        ds[2]
-    with pytest.raises(IndexError):
-        ds[-1]
-
-
-def test_array_batches_carry_sample_weights():
+def test_arrays_carry_sample_weights():
     x, y = _ids(6)
     sw = np.arange(1, 7, dtype="float32")
-    ds = ArrayBatches(x, y, sw, plan(6, 6, 4), TAG)
-    _, _, weights = engine.untag(ds[0])
+    [batch] = _batches(_feed(x, y, sw, batch_size=6, replicas=4))
+    _, _, weights = engine.untag(batch)
     assert weights.tolist() == [1, 2, 3, 4, 5, 6]
 
 
 def test_arrays_without_padding_are_not_tagged():
     x, y = _ids(12)
-    assert len(ArrayBatches(x, y, None, plan(12, 4, 2), TAG)[0]) == 2  # (x, y)
-    assert len(ArrayBatches(x, y, np.ones(12), plan(12, 4, 2), TAG)[0]) == 3
+    assert len(_batches(_feed(x, y, batch_size=4, replicas=2))[0]) == 2  # (x, y)
+    assert len(_batches(_feed(x, y, np.ones(12), batch_size=4, replicas=2))[0]) == 3
     # One padded batch anywhere tags every batch: Keras fixes the layout from the first.
-    assert isinstance(ArrayBatches(x, y, None, plan(12, 5, 2), TAG)[0][0], dict)
+    assert isinstance(_batches(_feed(x, y, batch_size=5, replicas=2))[0][0], dict)
 
 
-# -- PyDataset ---------------------------------------------------------------------
+# -- Feed: streams ---------------------------------------------------------------------
 
 
 class _Numbered(keras.utils.PyDataset):
@@ -392,43 +398,47 @@ class _Numbered(keras.utils.PyDataset):
         self.ended += 1
 
 
-def test_py_dataset_order_draws_what_keras_draws():
+def test_a_py_dataset_comes_in_the_order_keras_draws():
     from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
 
     keras.utils.set_random_seed(11)
     adapter = PyDatasetAdapter(_Numbered(), shuffle=True)
-    expected = [[int(bx[0, 0]) for bx, _ in adapter.get_jax_iterator()] for _ in range(3)]
+    expected = []
+    for _ in range(3):
+        adapter.on_epoch_begin()
+        expected.append([int(bx[0, 0]) for bx, _ in adapter.get_jax_iterator()])
+        adapter.on_epoch_end()
     keras.utils.set_random_seed(11)
-    rng = keras_multigpu.batching.RandomState()
-    wrapped = WrappedPyDataset(_Numbered(), 2, TAG, shuffle=True, rng=rng.python)
-    got = []
-    for _ in range(3):  # Keras brackets each pass with the epoch hooks
-        wrapped.on_epoch_begin()
-        got.append([int(engine.untag(wrapped[i])[0][0, 0]) for i in range(6)])
-        wrapped.on_epoch_end()
+    feed = _feed(_Numbered(), batch_size=None, replicas=2, shuffle=True)
+    got = [[int(engine.untag(batch)[0][0, 0]) for batch in _batches(feed)] for _ in range(3)]
     assert got == expected
     assert sorted(got[0]) == list(range(6)) and got[0] != got[1]
 
 
-def test_py_dataset_reads_before_the_first_epoch_draw_nothing():
-    """Keras's TensorFlow adapter reads a few batches for their shapes before training:
-    unshuffled, from the user's dataset, as it does on one device."""
-    rng = keras_multigpu.batching.RandomState()
-    state = rng.python.getstate()
-    wrapped = WrappedPyDataset(_Numbered(), 2, TAG, shuffle=True, rng=rng.python)
-    assert [int(engine.untag(wrapped[i])[0][0, 0]) for i in range(2)] == [0, 1]
-    assert rng.python.getstate() == state
-    wrapped.on_epoch_begin()
-    wrapped[0]
-    assert rng.python.getstate() != state
-
-
-def test_py_dataset_epoch_hooks_reach_the_users_dataset():
+def test_a_py_datasets_epoch_hooks_reach_it():
     inner = _Numbered()
-    wrapped = WrappedPyDataset(inner, 2, TAG)
-    wrapped.on_epoch_begin()
-    wrapped.on_epoch_end()
+    feed = _feed(inner, batch_size=None, replicas=2)
+    feed.on_epoch_begin()
+    feed.on_epoch_end()
     assert (inner.begun, inner.ended) == (1, 1)
+
+
+def test_a_torch_data_loader_comes_in_the_order_it_draws():
+    """A DataLoader that shuffles draws its seeds from torch's generator when its iteration
+    starts: the Feed starts it when Keras would, so the order is one device's."""
+    torch = pytest.importorskip("torch")
+    data = torch.utils.data.TensorDataset(torch.arange(12.0).reshape(12, 1), torch.arange(12.0))
+
+    def loader():
+        return torch.utils.data.DataLoader(data, batch_size=5, shuffle=True)
+
+    torch.manual_seed(5)
+    expected = [[int(v) for v in by] for _, by in loader()]
+    torch.manual_seed(5)
+    feed = _feed(loader(), batch_size=None, replicas=2)
+    feed.on_epoch_begin()
+    got = [[int(v) for v in engine.untag(batch)[1]] for batch in feed.get_torch_dataloader()]
+    assert got == expected
 
 
 # -- as_padded --------------------------------------------------------------------------
@@ -436,22 +446,21 @@ def test_py_dataset_epoch_hooks_reach_the_users_dataset():
 
 def test_as_padded_arrays():
     x, y = _ids(10)
-    data, dataset = as_padded(x, y, batch_size=4, replicas=3, tag=TAG)
-    assert data is dataset
-    assert isinstance(dataset, ArrayBatches)
-    assert dataset.plan == plan(10, 4, 3)
+    data, feed = as_padded(x, y, batch_size=4, replicas=3, tag=TAG)
+    assert data is feed
+    assert isinstance(feed, Feed) and feed.num_batches == 3
 
 
 def test_as_padded_default_batch_size_is_32():
     x, y = _ids(40)
-    _, dataset = as_padded(x, y, replicas=2, tag=TAG)
-    assert dataset.plan.batch_size == 32
+    _, feed = as_padded(x, y, replicas=2, tag=TAG)
+    assert feed.batch_size == 32
 
 
-def test_as_padded_passes_padded_batches_through():
+def test_as_padded_passes_a_feed_through():
     x, y = _ids(4)
-    ds = ArrayBatches(x, y, None, plan(4, 4, 2), TAG)
-    assert as_padded(ds, replicas=2, tag=TAG) == (ds, ds)
+    feed = _feed(x, y, batch_size=4, replicas=2)
+    assert as_padded(feed, replicas=2, tag=TAG) == (feed, feed)
 
 
 def test_as_padded_refuses_none():
@@ -491,9 +500,9 @@ def test_as_padded_refuses_drop_remainder_with_a_py_dataset():
 
 
 def test_as_padded_wraps_a_py_dataset():
-    data, dataset = as_padded(_Numbered(rows=3), replicas=2, tag=TAG)
-    assert data is dataset
-    tagged = dataset[1]
+    data, feed = as_padded(_Numbered(rows=3), replicas=2, tag=TAG)
+    assert data is feed
+    tagged = _batches(feed)[1]
     assert _padded_parts(tagged)[0].shape == (4, 1)
     x, y = engine.untag(tagged)
     assert x.shape == (3, 1) and y.tolist() == [1, 1, 1]

@@ -273,12 +273,14 @@ def test_slow_pydataset_is_called_input_bound(tmp_path, nvml):
     assert read_csv(tmp_path / "mon" / "timeline.csv") == []  # no NVML: no samples
 
 
-def test_worker_threads_time_is_kept_apart_as_an_upper_bound(tmp_path, nvml):
+def test_a_pydatasets_workers_are_waited_for_in_the_training_thread(tmp_path, nvml):
+    """With worker threads, the step's wait for each batch (from Keras's queue of their
+    batches) is what is timed: the input's real cost, not the workers' own time."""
     nvml(fail_init=True)
     watch = DeviceMonitor(tmp_path / "mon")
     small_model().fit(SlowBatches(workers=2), epochs=1, verbose=0, callbacks=[watch])
-    assert watch.verdict["evidence"]["data_measured"] == "workers"
-    assert "upper bound" in watch.verdict["lines"][0]
+    assert watch.verdict["evidence"]["data_measured"] == "dataset"
+    assert watch.verdict["evidence"]["data_ms_per_step"] > 0
 
 
 @pytest.mark.parametrize("given", [True, False])
@@ -321,26 +323,28 @@ def test_resident_arrays_with_real_compute_are_not_highly_input_bound(tmp_path, 
     parallel.fit(x, y, batch_size=256, epochs=2, verbose=0, callbacks=[watch])
     evidence = watch.verdict["evidence"]
     assert evidence["step_ms_per_step"] > 2, evidence  # a step that does real work
-    # The batches are gathered on the device: no host work to wait for, however long the
-    # gather's dispatch waits for the step before it (XLA:CPU runs a device's work in order).
-    assert evidence["data_ms_per_step"] == 0.0 and watch.verdict["input"] == "no", evidence
+    # The batches are gathered on the device: the host only reads each batch's row indices,
+    # and the gather's dispatch is not counted, however long it waits for the step before
+    # it (XLA:CPU runs a device's work in order).
+    assert watch.verdict["input"] == "no", evidence
+    assert evidence["data_ms_per_step"] < 0.05 * evidence["step_ms_per_step"], evidence
     out = capsys.readouterr().out
     assert "NVML unavailable (Driver Not Loaded); step timing only" in out
     assert "DeviceMonitor:" in out and "input-bound" in out
 
 
 def test_arrays_built_on_the_host_time_the_wait_for_each_batch(tmp_path, nvml, monkeypatch):
-    from keras_multigpu import batching, parallel
+    from keras_multigpu import parallel
 
     nvml(fail_init=True)
     monkeypatch.setattr(parallel, "RESIDENT_LIMIT_BYTES", 0)  # arrays stay on the host
-    build = batching.ArrayBatches._host_batch
+    put = parallel.ParallelModel._put
 
-    def slow(self, rows):
+    def slow(self, batch):
         time.sleep(0.03)  # a slow host path: the prefetch cannot hide it
-        return build(self, rows)
+        return put(self, batch)
 
-    monkeypatch.setattr(batching.ArrayBatches, "_host_batch", slow)
+    monkeypatch.setattr(parallel.ParallelModel, "_put", slow)
     watch = DeviceMonitor(tmp_path / "mon")
     x = np.zeros((128, 8), "float32")
     small_model().fit(x, np.zeros(128), batch_size=16, epochs=1, verbose=0, callbacks=[watch])

@@ -355,9 +355,8 @@ def gather_on_cpu(monkeypatch):
 
 def test_several_cpu_devices_batch_on_the_host_and_one_device_keeps_arrays(dense_model):
     x, y = classification_data(30)
-    assert kmg.multi_gpu_model(dense_model(), gpus=3)._padded(x, y, batch_size=8)[0].take is None
-    assert kmg.multi_gpu_model(dense_model(), gpus=1)._padded(x, y, batch_size=8)[0].take \
-        is not None
+    assert not kmg.multi_gpu_model(dense_model(), gpus=3)._padded(x, y, batch_size=8)[0].resident
+    assert kmg.multi_gpu_model(dense_model(), gpus=1)._padded(x, y, batch_size=8)[0].resident
 
 
 CONV_ON_ONE_CORE = """
@@ -400,12 +399,12 @@ def test_array_batches_are_gathered_on_the_devices(dense_model, gather_on_cpu):
     x, y = classification_data(30)
     parallel = kmg.multi_gpu_model(dense_model(), gpus=3)
     data, _ = parallel._padded(x, y, batch_size=8)
-    assert data.take is not None
+    assert data.resident
     from keras_multigpu.backends import jax as engine
 
     # Batches of 8 rows pad to 9, so every batch is tagged; the last, of 6
     # rows, needs no padding itself.
-    batch_x, batch_y = engine.untag(data[3])
+    batch_x, batch_y = engine.untag(list(data.get_jax_iterator())[3])
     assert isinstance(batch_x, jax.Array) and len(batch_x.sharding.device_set) == 3
     assert batch_x.shape == (6, 6) and not batch_x.sharding.is_fully_replicated
     np.testing.assert_array_equal(np.asarray(batch_x), x[24:30])
@@ -421,7 +420,7 @@ def test_large_arrays_stay_on_the_host_with_the_same_results(dense_model, monkey
     expected = resident.fit(x, y, batch_size=7, epochs=2, shuffle=False, verbose=0)
     monkeypatch.setattr(parallel_module, "RESIDENT_LIMIT_BYTES", 100)
     host = compile_sgd(kmg.multi_gpu_model(dense_model(), gpus=4))
-    assert host._padded(x, y, batch_size=7)[0].take is None
+    assert not host._padded(x, y, batch_size=7)[0].resident
     history = host.fit(x, y, batch_size=7, epochs=2, shuffle=False, verbose=0)
     assert_history_close(expected, history)
     assert_weights_close(resident.get_weights(), host.get_weights())
@@ -467,9 +466,9 @@ def test_the_resident_budget_counts_devices_and_their_free_memory(dense_model, m
     assert parallel.resident_budget() == parallel_module.RESIDENT_FRACTION * 4 * 2**20
     x, y = classification_data(2 * 2**20 // 24)  # 2 MiB > a quarter of 4 MiB: host path
     _, dataset = parallel._padded(x, y, batch_size=64)
-    assert dataset.take is None and dataset.put is not None
+    assert not dataset.resident and dataset._prefetch
     _, small = parallel._padded(x[:100], y[:100], batch_size=64)
-    assert small.take is not None
+    assert small.resident
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
@@ -487,10 +486,11 @@ def test_the_host_path_prefetches_placed_batches_with_the_same_results(
     keras.utils.set_random_seed(2)
     host = compile_sgd(kmg.multi_gpu_model(dense_model(), gpus=3))
     data, dataset = host._padded(x, y, batch_size=10)
-    first = engine_untag(dataset[0])
+    served = dataset.get_jax_iterator()
+    first = engine_untag(next(served))
     assert isinstance(first[0], jax.Array) and len(first[0].sharding.device_set) == 3
-    assert dataset._pending is not None and dataset._pending[1] == 1  # batch 1 on its way
-    np.testing.assert_array_equal(np.asarray(engine_untag(dataset[1])[0]), x[10:20])
+    assert dataset._executor is not None  # batch 1 on its way
+    np.testing.assert_array_equal(np.asarray(engine_untag(next(served))[0]), x[10:20])
     dataset.close()
     history = host.fit(x, y, batch_size=10, epochs=2, shuffle=shuffle, verbose=0)
     assert_history_close(expected, history)

@@ -17,24 +17,22 @@ loss, a metric or a BatchNormalization moment. Batches of a dataset that
 never needs padding travel as Keras would carry them: `(x,)`, `(x, y)` or
 `(x, y, sample_weight)`.
 
-Shuffling follows Keras's own data adapters draw for draw (`np.random`
-permutations for arrays, `random.shuffle` of the batch order for a
-`PyDataset`), but from a private generator that `ParallelModel.fit` seeds
-with the global generator's state when the call starts (see `RandomState`).
+The batches, and their order, are Keras's own: a `Feed` is a Keras data
+adapter around Keras's adapter for the user's data (for arrays, for their
+row indices), and pads what it yields. Nothing here re-draws a shuffle.
 """
 
 import concurrent.futures
 import dataclasses
 import math
 import random
-import threading
-import types
 import warnings
 
 import keras
 import numpy as np
 from keras import tree
-from keras.src.trainers.data_adapters import data_adapter_utils
+from keras.src.trainers import data_adapters
+from keras.src.trainers.data_adapters import data_adapter, data_adapter_utils, py_dataset_adapter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,97 +251,6 @@ def pad_batch(batch, replicas, tag, class_weight=None, always=True):
     return tag(tuple(_take(part, index) for part in parts), rows, replicas), rows
 
 
-def numpy_order(num_samples, batch_size, shuffle, rng):
-    """The row order of Keras's NumPy and JAX array iterators.
-
-    Returns `new_pass()`, an iterator over one pass's batches of row indices,
-    drawing from `rng` when and as Keras does: the whole permutation as the
-    pass starts (`shuffle=True`), or each batch's as it is read (`"batch"`).
-    """
-
-    def new_pass():
-        permutation = rng.permutation(num_samples) if shuffle is True else None
-        for start in range(0, num_samples, batch_size):
-            stop = min(start + batch_size, num_samples)
-            if shuffle == "batch":
-                yield start + rng.permutation(stop - start)
-            elif permutation is not None:
-                yield permutation[start:stop]
-            else:
-                yield np.arange(start, stop)
-
-    return new_pass
-
-
-class RandomState:
-    """The random draws of one `fit`, as Keras would make them.
-
-    Keras shuffles arrays with `np.random` and a `PyDataset`'s batch order
-    with Python's `random`, drawing from the global generators as it goes.
-    Here the draws come from private copies, taken when `fit` starts: the
-    order of every epoch is fixed by the state at that moment (under
-    `keras.utils.set_random_seed(s)`, by `s` and the program before `fit`)
-    and cannot be changed by anything drawing from the global generators
-    during training. `commit()` then moves the global generators on by
-    exactly the draws made, so code after `fit` sees the state it would have
-    seen after Keras's own `fit`.
-    """
-
-    def __init__(self):
-        self.numpy = np.random.RandomState()
-        self.numpy.set_state(np.random.get_state())
-        self.python = random.Random()
-        self.python.setstate(random.getstate())
-
-    def commit(self):
-        np.random.set_state(self.numpy.get_state())
-        random.setstate(self.python.getstate())
-
-
-class PaddedBatches(keras.utils.PyDataset):
-    """Base of the padded datasets."""
-
-    def __init__(self, replicas, tag, class_weight=None, **kwargs):
-        super().__init__(**kwargs)
-        self.replicas = replicas
-        self.tag = tag
-        self.class_weight = class_weight
-
-    def pad(self, batch):
-        return pad_batch(batch, self.replicas, self.tag, self.class_weight)[0]
-
-    def next_from(self, iterator):
-        """The user's next batch from a generator or an iterable's iterator.
-
-        One place for the fetch, so that DeviceMonitor can time the wait for it.
-        """
-        return next(iterator)
-
-    # -- exact resume (see `keras_multigpu.callbacks.Checkpoint`) -----------
-    #
-    # A dataset that can resume mid-epoch records, as each pass starts, the
-    # state of every generator its order draws from (`pass_state`) and the
-    # pass's order as read (`order`). `resume(state, skip)` puts those
-    # generators back, so that the next pass draws the same order again, and
-    # makes every pass serve only its batches from `skip` on (`num_batches`
-    # less `skip`), until `skip` is set back to 0: `ParallelModel.fit` runs
-    # the rest of the interrupted epoch as a Keras call of its own.
-
-    resumable = False
-    skip = 0
-
-    def position(self):
-        """What `resume` needs: None where this input cannot resume mid-epoch."""
-        return None
-
-    def resume(self, state, skip):
-        raise ValueError(
-            f"A {type(self).__name__} cannot resume in the middle of an epoch (its batches "
-            "are not indexed). Checkpoint at epoch ends only (Checkpoint(save_freq='epoch')), "
-            "or pass arrays or a keras.utils.PyDataset."
-        )
-
-
 def generator_state(rng):
     """A generator's state as plain data (NumPy's RandomState, Python's Random)."""
     if hasattr(rng, "get_state"):  # a RandomState, or NumPy's global one (np.random)
@@ -368,344 +275,22 @@ def set_generator_state(rng, state):
         rng.setstate(_tupled(state["python"]))
 
 
-class ArrayBatches(PaddedBatches):
-    """Arrays (or dicts/lists of arrays) batched by a `Plan`, shuffled as Keras does.
-
-    Args:
-        shuffle: False, True (a new permutation of every row at the start of
-            each pass) or `"batch"` (rows shuffled within each batch, the
-            batches in order), Keras's `fit(shuffle=...)`.
-        rng: the `np.random.RandomState` to draw from (default: NumPy's
-            global generator, as Keras's own adapter uses on JAX).
-        order: `new_pass()` from the engine's `array_order` (see
-            `backends`), where its Keras trainer does not shuffle with NumPy.
-        place: a function that puts `(x, y)` on the devices and returns
-            `take(index)` (see `backends`), so that each batch is gathered on
-            the devices instead of sliced on the host; it may return None to
-            decline.
-        put: for data left on the host, a function that places one batch on
-            the devices, split (`backends.<engine>.shard`). The next batch
-            is then sliced and placed in a background thread while Keras runs
-            the current step (not with `shuffle="batch"`, whose draws must
-            stay in Keras's order).
-    """
-
-    def __init__(self, x, y, sample_weight, plan, tag, shuffle=False, class_weight=None,
-                 place=None, rng=None, put=None, order=None):
-        super().__init__(plan.replicas, tag)
-        x, y, sample_weight = (
-            None if part is None else tree.map_structure(np.asarray, part)
-            for part in (x, y, sample_weight)
-        )
-        if class_weight is not None:
-            # Once for the whole set, rather than per batch.
-            sample_weight = class_sample_weights(y, class_weight, sample_weight)
-        self.x, self.y, self.sample_weight = x, y, sample_weight
-        self.plan = plan
-        self.shuffle = shuffle
-        self.rng = np.random if rng is None else rng
-        self.take = place((x, y)) if place is not None else None
-        self.put = put if self.take is None else None
-        self.passes = order or numpy_order(plan.num_samples, plan.batch_size, shuffle, self.rng)
-        self._batches = None  # the current pass: an iterator of row indices, and those read
-        self._pass = 0  # counts passes (batch 0 reads), so a prefetch knows its own
-        self._pending = None  # (pass, index, future) of the batch being prefetched
-        self._executor = None
-        self._pass_state = None  # the generators' state as the current pass started
-
-    resumable = True
-
-    @property
-    def num_batches(self):
-        return self.plan.num_batches - self.skip
-
-    def _generators(self):
-        """States of the generators a pass draws from: this dataset's, and the engine's."""
-        state = generator_state(self.rng) if hasattr(self.rng, "get_state") else {}
-        get_state = getattr(self.passes, "get_state", None)
-        if get_state is not None:
-            state["engine"] = get_state()
-        return state
-
-    def _set_generators(self, state):
-        if state.get("numpy") is not None and hasattr(self.rng, "set_state"):
-            set_generator_state(self.rng, state)
-        if state.get("engine") is not None and hasattr(self.passes, "set_state"):
-            self.passes.set_state(state["engine"])
-
-    def position(self):
-        if self._batches is None:
-            return None
-        return {"generators": self._pass_state, "order": [np.asarray(b) for b in
-                                                          self._batches[1]]}
-
-    def resume(self, state, skip):
-        self.skip = int(skip)
-        self._expected = state.get("order")
-        self._batches = None
-        if self.skip:
-            # Restored as the pass starts, where they were captured: anything the
-            # trainer draws before (torch's DataLoader does) is then drawn alike.
-            # Once the pass is drawn, the engine's generator is set as it was at
-            # the checkpoint: the steps done had drawn from it too (torch's
-            # unseeded Dropout does).
-            self._resume_generators = state["generators"]
-            self._resume_now = state.get("now")
-        elif state.get("generators") is not None:
-            self._set_generators(state["generators"])
-
-    def _rows(self, index, new_pass=False):
-        """The row indices of batch `index` of the current pass (with `new_pass`, of a new one)."""
-        if new_pass or self._batches is None:
-            if getattr(self, "_resume_generators", None) is not None:
-                self._set_generators(self._resume_generators)
-                self._resume_generators = None
-            self._pass_state = self._generators()
-            self._batches = (self.passes(), [])
-        batches, read = self._batches
-        while len(read) <= index:
-            read.append(next(batches))
-        now = getattr(self, "_resume_now", None)
-        if now is not None:
-            self._resume_now = None
-            if now.get("engine") is not None and hasattr(self.passes, "set_state"):
-                self.passes.set_state(now["engine"])
-        return read[index]
-
-    def _host_batch(self, rows):
-        """Slices (and, with `put`, places) one padded batch from the host arrays."""
-        padding, _ = pad_indices(len(rows), self.replicas)
-        index_rows = rows[padding]
-        parts = _parts(_take(self.x, index_rows), _take(self.y, index_rows),
-                       _take(self.sample_weight, index_rows))
-        return parts if self.put is None else self.put(parts)
-
-    def _prefetch(self, index):
-        if self.put is None or self.shuffle == "batch" or index >= self.plan.num_batches:
-            return
-        if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix="keras_multigpu-prefetch"
-            )
-        future = self._executor.submit(self._host_batch, self._rows(index))
-        self._pending = (self._pass, index, future)
-
-    def close(self):
-        """Ends the prefetch thread, if any (a later read starts it again)."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
-            self._executor, self._pending = None, None
-
-    def _resumed_rows(self, index):
-        """Batch `index` of a resumed pass: the pass is drawn again, its first `skip` not served."""
-        new_pass = index == 0
-        index += self.skip
-        rows = self._rows(index, new_pass=new_pass)
-        expected = getattr(self, "_expected", None)
-        if new_pass and expected:
-            self._expected = None
-            batches, read = self._batches
-            if not all(np.array_equal(a, b) for a, b in zip(read, expected)):
-                warnings.warn(
-                    "The resumed epoch's data order differs from the checkpoint's: the "
-                    "generators it was drawn from could not be restored (set a seed, e.g. "
-                    "keras.utils.set_random_seed, before building the model). The epoch "
-                    "goes on in the checkpoint's order, as far as it was read.",
-                    stacklevel=3,
-                )
-                read[:len(expected)] = [np.asarray(b) for b in expected]
-                rows = self._rows(index)
-        return index, rows
-
-    def __getitem__(self, index):
-        if not 0 <= index < self.num_batches:
-            raise IndexError(f"Batch {index} of {self.num_batches}.")
-        if index == 0:
-            self._pass += 1
-        if self.skip:
-            index, rows = self._resumed_rows(index)
-        else:
-            # Batch 0 starts a pass: Keras draws its permutation as its iterator starts.
-            rows = self._rows(index, new_pass=index == 0)
-        if self.take is not None:
-            # One gather per array: the batch's rows and its padding together.
-            padding, _ = pad_indices(len(rows), self.replicas)
-            x, y = self.take(rows[padding].astype("int32"))
-            parts = _parts(x, y, _take(self.sample_weight, rows[padding]))
-        else:
-            parts = self.host_parts(index, rows)
-            self._prefetch(index + 1)
-        if not self.plan.padded:
-            return parts
-        return self.tag(parts, len(rows), self.replicas)
+def global_generators(engine_state=None):
+    """Python's and NumPy's global generators (Keras's adapters draw orders from them),
+    and the engine's (`engine_state()`, torch's), as plain data."""
+    state = {**generator_state(random), **generator_state(np.random)}
+    if engine_state is not None:
+        state["engine"] = engine_state()
+    return state
 
 
-    def host_parts(self, index, rows):
-        """Batch `index` from the host: the prefetched one (waiting for it), else built now.
-
-        The time spent here is the step's wait for its input (what DeviceMonitor times).
-        """
-        pending, self._pending = self._pending, None
-        if pending is not None and pending[:2] == (self._pass, index):
-            return pending[2].result()
-        return self._host_batch(rows)
-
-
-class WrappedPyDataset(PaddedBatches):
-    """Pads the batches of a user's `keras.utils.PyDataset`, shuffling their order as Keras does.
-
-    Keras's own adapter shuffles a `PyDataset` of known length with
-    `random.shuffle` of the batch indices when a pass starts; `rng` is the
-    `random.Random` to draw from (default: Python's global generator).
-    """
-
-    def __init__(self, dataset, replicas, tag, class_weight=None, shuffle=False, rng=None):
-        super().__init__(
-            replicas,
-            tag,
-            class_weight,
-            workers=dataset.workers,
-            use_multiprocessing=dataset.use_multiprocessing,
-            max_queue_size=dataset.max_queue_size,
-        )
-        self.dataset = dataset
-        self.shuffle = bool(shuffle) and dataset.num_batches is not None
-        self.rng = random if rng is None else rng
-        self.order = None
-        self._threaded = dataset.workers > 1 or (
-            dataset.workers > 0 and dataset.use_multiprocessing
-        )
-        self._lock = threading.Lock()
-        self._pass_state = None
-        # Keras's TensorFlow adapter reads a few batches for their shapes before the first
-        # epoch begins, unshuffled and without drawing: those reads are passed through.
-        self._started = False
-
-    @property
-    def num_batches(self):
-        return self.dataset.num_batches - self.skip
-
-    @property
-    def resumable(self):
-        return self.dataset.num_batches is not None
-
-    def position(self):
-        if not self.resumable:
-            return None
-        order = self.order if self.shuffle else None
-        return {"generators": self._pass_state, "order": order}
-
-    def resume(self, state, skip):
-        self.skip = int(skip)
-        self.order = None
-        order = state.get("order")
-        self._expected = None if order is None else [int(np.ravel(b)[0]) for b in order]
-        generators = state.get("generators")
-        if self.skip:
-            self._resume_generators = generators  # restored as the pass draws (see ArrayBatches)
-        elif generators is not None:
-            set_generator_state(self.rng, generators)
-
-    def _position(self, index):
-        if not self.shuffle:
-            return index
-        with self._lock:
-            # Unthreaded, Keras draws as a pass starts (batch 0); threaded,
-            # its enqueuer draws once an epoch, so the order is reset at the
-            # epoch's end and drawn by whichever fetch comes first.
-            if self.order is None or (index == self.skip and not self._threaded):
-                if getattr(self, "_resume_generators", None) is not None:
-                    set_generator_state(self.rng, self._resume_generators)
-                    self._resume_generators = None
-                self._pass_state = generator_state(self.rng) if hasattr(
-                    self.rng, "getstate") else None
-                order = list(range(self.dataset.num_batches))
-                self.rng.shuffle(order)
-                expected = getattr(self, "_expected", None)
-                if expected is not None and list(expected) != order:
-                    warnings.warn(
-                        "The resumed epoch's batch order differs from the checkpoint's (set a "
-                        "seed, e.g. keras.utils.set_random_seed, before building the model): "
-                        "it follows the checkpoint's.",
-                        stacklevel=2,
-                    )
-                    order = [int(i) for i in expected]
-                self._expected = None
-                self.order = order
-            return self.order[index]
-
-    def __getitem__(self, index):
-        if self._started:
-            return self.pad(self.dataset[self._position(index + self.skip)])
-        return self.pad(self.dataset[index])
-
-    def on_epoch_begin(self):
-        self._started = True
-        self.dataset.on_epoch_begin()
-
-    def on_epoch_end(self):
-        if self._threaded:
-            self.order = None
-        self.dataset.on_epoch_end()
-
-
-class WrappedIterable(PaddedBatches):
-    """Pads a re-iterable of known length (tf.data, torch DataLoader, a list),
-    iterating it afresh every epoch, once per epoch as Keras does.
-
-    Keras's TensorFlow adapter reads a few batches for their shapes before the
-    first epoch begins: those come from the iteration the first epoch then
-    goes on with (a new iteration would draw another shuffle, tf.data's and a
-    DataLoader's alike).
-    """
-
-    def __init__(self, iterable, replicas, tag, class_weight=None):
-        super().__init__(replicas, tag, class_weight)
-        self.iterable = iterable
-        self.iterator = None
-        self._started = False
-        self._peeked = []  # batches read before the first epoch, from `self.iterator`
-
-    @property
-    def num_batches(self):
-        return len(self.iterable)
-
-    def __getitem__(self, index):
-        if not self._started:  # Keras reads a batch for its shapes
-            if self.iterator is None:
-                self.iterator = iter(self.iterable)
-            while len(self._peeked) <= index:
-                self._peeked.append(self.next_from(self.iterator))
-            return self.pad(self._peeked[index])
-        if index < len(self._peeked):  # the first epoch: the batches read already
-            return self.pad(self._peeked[index])
-        self._peeked = []
-        if index == 0 or self.iterator is None:
-            self.iterator = iter(self.iterable)
-        return self.pad(self.next_from(self.iterator))
-
-    def on_epoch_begin(self):
-        if self._started:  # the first epoch is over: the batches read before it are served
-            self._peeked = []
-        self._started = True
-
-
-def _padded_generator(generator, dataset):
-    generator = iter(generator)
-    while True:
-        try:
-            batch = dataset.next_from(generator)
-        except StopIteration:
-            return
-        if not isinstance(batch, (tuple, list)) or not 1 <= len(batch) <= 3:
-            raise ValueError(
-                "When passing a Python generator to a Keras model, the generator must return "
-                "a tuple, either (input,) or (inputs, targets) or (inputs, targets, "
-                f"sample_weights). Received: {type(batch).__name__}"
-                + (f" of shape {np.shape(batch)}" if hasattr(batch, "shape") else "")
-                + ". Yield (x, y) batches, or (x,) for inputs alone."
-            )
-        yield dataset.pad(tuple(batch))
+def set_global_generators(state, set_engine_state=None):
+    if state.get("python") is not None:
+        set_generator_state(random, {"python": state["python"]})
+    if state.get("numpy") is not None:
+        set_generator_state(np.random, {"numpy": state["numpy"]})
+    if state.get("engine") is not None and set_engine_state is not None:
+        set_engine_state(state["engine"])
 
 
 def _is_array_like(x):
@@ -715,28 +300,365 @@ def _is_array_like(x):
     ) and any(leaf is not None for leaf in tree.flatten(x))
 
 
+def _to_numpy(batch):
+    """A batch from one of Keras's adapters (NumPy, TensorFlow or torch tensors) in NumPy."""
+    def convert(leaf):
+        if leaf is None or isinstance(leaf, np.ndarray):
+            return leaf
+        if hasattr(leaf, "detach"):  # torch
+            leaf = leaf.detach().cpu()
+        return np.asarray(leaf)
+
+    return tree.map_structure(convert, batch, none_is_leaf=False)
+
+
+class Feed(data_adapter.DataAdapter):
+    """Keras's own data adapter for the user's data (`inner`), its batches padded.
+
+    Keras's epoch iterator drives this adapter as it would drive `inner`, and
+    every call reaches `inner` when Keras would make it: `inner`'s iterators are
+    made when Keras makes this adapter's, `on_epoch_begin`/`on_epoch_end` pass
+    through. So the order of the batches, and each random draw Keras's adapters
+    make for it (NumPy's or Python's generators, a `DataLoader`'s seeds, a
+    tf.data reshuffle, per-epoch seeds on newer Keras), is Keras's own, on
+    whichever Keras is installed. Each batch `inner` yields then goes through
+    `serve`, which pads it for the replicas and tags it (see `pad_batch`).
+
+    Array inputs go through Keras's array adapter as their row indices
+    (`np.arange(n)`, batched and shuffled by Keras): `serve` then gathers those
+    rows, on the devices (`take`) or from the host (`put` places them, while a
+    thread prepares the next batch).
+
+    A checkpoint (`callbacks.Checkpoint`) keeps where an epoch is: the global
+    generators as its pass began (`position`), the batches served, and the
+    epoch ends `inner` has seen; `resume` makes the next pass draw the same
+    order again and serve only its batches from `skip` on.
+
+    Args:
+        inner: Keras's adapter for the data (`data_adapters.get_data_adapter`).
+        serve: a host batch from `inner` (NumPy) -> the batch handed to Keras.
+        replicas: the device count.
+        num_batches: batches per epoch (None: `inner`'s).
+        arrays: `(x, y, sample_weight)` when `inner` yields their row indices.
+        resident: `serve` gathers them on the devices.
+        prefetch: `serve` may prepare the next batch in a thread (its input
+            is pulled from `inner` beside the current one: only where that
+            draws nothing).
+        engine_state, set_engine_state: the engine's global generator (torch's).
+        to_backend: turns a served batch into the tensors the backend's
+            trainer takes from a `DataLoader` (torch).
+    """
+
+    def __init__(self, inner, serve, *, replicas, num_batches=None, arrays=None, resident=False,
+                 prefetch=False, engine_state=None, set_engine_state=None, to_backend=None):
+        self.inner = inner
+        self.serve = serve
+        self.replicas = replicas
+        self.arrays = arrays
+        # Arrays gathered on the devices: serving a batch is device work, not the host's
+        # (DeviceMonitor times `pad`, the host's part).
+        self.resident = resident
+        self._num_batches = num_batches
+        self._prefetch = prefetch
+        self._engine_state, self._set_engine_state = engine_state, set_engine_state
+        self._to_backend = to_backend
+        self._executor = None
+        self.skip = 0  # a resumed epoch: its first `skip` batches are not served
+        self.ends = 0  # `on_epoch_end` calls `inner` has had
+        self._pass_state = None  # the global generators as the current epoch began
+        self._served = []  # the current pass's batches as read (array inputs: row indices)
+        self._resume = None  # what the next epoch's pass restores (see `resume`)
+        self._restore_now = None  # the generators to set once a resumed pass has drawn
+        self._signature = None
+
+    # -- Keras's DataAdapter ------------------------------------------------
+
+    @property
+    def num_batches(self):
+        total = self._num_batches if self._num_batches is not None else self.inner.num_batches
+        return None if total is None else total - self.skip
+
+    @property
+    def batch_size(self):
+        return self.inner.batch_size
+
+    @property
+    def has_partial_batch(self):
+        return self.inner.has_partial_batch
+
+    @property
+    def partial_batch_size(self):
+        return self.inner.partial_batch_size
+
+    def on_epoch_begin(self):
+        resume, self._resume = self._resume, None
+        if resume is not None:
+            # The resumed epoch draws its order from the generators as they were when it
+            # began (and from `inner` at the same epoch count: newer Keras seeds by it);
+            # once its skipped batches are drawn, they are set as at the checkpoint.
+            self._replay_ends(resume.get("ends"))
+            set_global_generators(resume["generators"], self._set_engine_state)
+            self._restore_now = resume.get("now")
+        self._pass_state = global_generators(self._engine_state)
+        self._pass_state["ends"] = self.ends
+        self._served = []
+        self.inner.on_epoch_begin()
+
+    def on_epoch_end(self):
+        self.ends += 1
+        self.inner.on_epoch_end()
+
+    def get_numpy_iterator(self):
+        return self._pass(self.inner.get_numpy_iterator)
+
+    def get_jax_iterator(self):
+        # NumPy from `inner` (its draws are those of its JAX iterator): the batch is padded,
+        # and placed (`serve`), on the host.
+        return self._pass(self.inner.get_numpy_iterator)
+
+    def get_torch_dataloader(self):
+        loader = self.inner.get_torch_dataloader()  # made when Keras would make it
+        return _Passes(self, loader)
+
+    def get_tf_dataset(self):
+        import tensorflow as tf
+
+        dataset = self.inner.get_tf_dataset()
+        if self.skip:
+            dataset = dataset.skip(self.skip)
+        spec = dataset.element_spec
+        if self._signature is None:
+            self._signature = self._output_signature(spec)
+        out_spec = self._signature
+        flat_out = tree.flatten(out_spec)
+
+        def serve(*flat):
+            batch = tree.pack_sequence_as(spec, [np.asarray(a) for a in flat])
+            if self._restore_now is not None:  # the resumed pass has drawn its order
+                set_global_generators(self._restore_now, self._set_engine_state)
+                self._restore_now = None
+            self._served.append(np.asarray(tree.flatten(batch)[0]) if self.arrays else None)
+            out = tree.flatten(self.pad(batch))  # on tf.data's threads
+            return [np.asarray(leaf, s.dtype.as_numpy_dtype) for leaf, s in zip(out, flat_out)]
+
+        def mapped(*flat):
+            out = tf.numpy_function(serve, list(flat), [s.dtype for s in flat_out],
+                                    stateful=True)
+            for tensor, s in zip(out, flat_out):
+                tensor.set_shape(s.shape)
+            return tree.pack_sequence_as(out_spec, out)
+
+        return dataset.map(mapped)
+
+    # -- the passes -----------------------------------------------------------
+
+    def next_from(self, iterator):
+        """The next batch of `inner`'s (one place for the fetch, which DeviceMonitor times)."""
+        return next(iterator)
+
+    def pad(self, batch):
+        return self.serve(batch)
+
+    def host_parts(self, future):
+        """Waits for a batch prepared in the background (the wait DeviceMonitor times)."""
+        return future.result()
+
+    def _pass(self, make):
+        """One pass: `inner`'s batches from `make()`, served (a generator: nothing is made
+        until Keras asks for the first batch, as with `inner`'s own)."""
+        iterator = iter(make())
+        return self._served_from(iterator)
+
+    def _served_from(self, iterator):
+        total = self.num_batches
+        count = 0
+        for _ in range(self.skip):  # a resumed epoch: the batches done are drawn, not served
+            self._served.append(self._read(self.next_from(iterator)))
+        if self._restore_now is not None:
+            set_global_generators(self._restore_now, self._set_engine_state)
+            self._restore_now = None
+        self._check_order()
+        pending = None
+        while total is None or count < total:
+            if pending is not None:
+                read, future = pending
+                pending = None
+                batch = self.host_parts(future)
+            else:
+                try:
+                    read = self._read(self.next_from(iterator))
+                except StopIteration:
+                    return
+                batch = self.serve(read) if self.resident else self.pad(read)
+            self._served.append(read if self.arrays is not None else None)
+            count += 1
+            if self._prefetch and (total is None or count < total):
+                try:
+                    following = self._read(self.next_from(iterator))
+                except StopIteration:
+                    following = None
+                if following is not None:
+                    pending = (following, self._background(following))
+            yield batch
+
+    def _read(self, batch):
+        batch = _to_numpy(batch)
+        if self.arrays is not None:  # Keras's array adapter yields `(indices,)`
+            return np.asarray(tree.flatten(batch)[0]).astype("int64")
+        return batch
+
+    def _background(self, read):
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="keras_multigpu-prefetch")
+        return self._executor.submit(self.serve, read)
+
+    def _check_order(self):
+        """A resumed pass must draw the checkpoint's order again (arrays: the rows)."""
+        expected, self._expected = getattr(self, "_expected", None), None
+        if expected is None or self.arrays is None:
+            return
+        drawn = self._served[:len(expected)]
+        if not all(np.array_equal(a, b) for a, b in zip(drawn, expected)):
+            warnings.warn(
+                "The resumed epoch's data order differs from the checkpoint's: the "
+                "generators it was drawn from could not be restored (set a seed, e.g. "
+                "keras.utils.set_random_seed, before building the model). Its remaining "
+                "batches come in this run's order.",
+                stacklevel=4,
+            )
+
+    def _replay_ends(self, ends):
+        while ends is not None and self.ends < ends:
+            self.on_epoch_end()
+
+    def _output_signature(self, spec):
+        """The TF signature of served batches: `serve` on two made-up batches (1 and 2
+        rows) of `inner`'s spec, which draws nothing and reads no data."""
+        from keras.src.trainers.data_adapters import data_adapter_utils
+
+        def made_up(rows):
+            def leaf(s):
+                shape = [rows if d is None else d for d in s.shape.as_list()]
+                shape[0] = rows
+                if self.arrays is not None:
+                    return np.zeros(shape, s.dtype.as_numpy_dtype)
+                return np.ones(shape, s.dtype.as_numpy_dtype)
+            return tree.map_structure(leaf, spec)
+
+        served = [tree.map_structure(np.asarray, self.serve(made_up(rows)))
+                  for rows in (1, self.replicas + 1)]  # padded sizes that differ
+        return data_adapter_utils.get_tensor_spec(served)
+
+    # -- exact resume (see `keras_multigpu.callbacks.Checkpoint`) ----------------
+
+    @property
+    def resumable(self):
+        """Whether an epoch can resume in its middle: its batches are drawn again in the
+        same order (arrays, and a PyDataset of known length)."""
+        if self.arrays is not None:
+            return True
+        return isinstance(self.inner, py_dataset_adapter.PyDatasetAdapter) and (
+            self.inner.py_dataset.num_batches is not None)
+
+    def position(self):
+        """Where the current epoch is: the generators as it began, and (arrays) the rows of
+        each batch read."""
+        if self._pass_state is None:
+            return None
+        order = [b for b in self._served if b is not None] if self.arrays is not None else None
+        return {"generators": self._pass_state, "order": order}
+
+    def _generators(self):
+        """The generators as they are now (what the next pass draws from), and the epoch
+        ends `inner` has seen."""
+        state = global_generators(self._engine_state)
+        state["ends"] = self.ends
+        return state
+
+    def resume(self, state, skip):
+        """Makes the next epoch's pass resume from `state` (`position()` and `_generators()`
+        of a checkpoint): drawn from the same generators, serving batches from `skip` on."""
+        self.skip = int(skip)
+        if skip and not self.resumable:
+            raise ValueError(
+                f"This input ({type(self.inner).__name__}) cannot resume in the middle of an "
+                "epoch (its batches are not drawn again in the same order). Checkpoint at "
+                "epoch ends only (Checkpoint(save_freq='epoch')), or pass arrays or a "
+                "keras.utils.PyDataset.")
+        self._expected = state.get("order")
+        if skip:
+            self._resume = {"generators": state["generators"], "now": state.get("now"),
+                            "ends": (state["generators"] or {}).get("ends")}
+        else:  # an epoch's end: the next pass draws from the generators as they were
+            self._replay_ends((state.get("now") or {}).get("ends"))
+            if state.get("now") is not None:
+                set_global_generators(state["now"], self._set_engine_state)
+
+    def close(self):
+        """Ends the prefetch thread, if any (a later pass starts it again)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
+
+
+class _Passes:
+    """What a `Feed` hands Keras's torch trainer for a `DataLoader`: each iteration starts
+    `inner`'s loader's own iteration at once (its seeds are drawn when Keras would draw
+    them) and serves its batches as torch tensors."""
+
+    def __init__(self, feed, loader):
+        self.feed, self.loader = feed, loader
+
+    def __iter__(self):
+        iterator = iter(self.loader)
+        convert = self.feed._to_backend or (lambda batch: batch)
+        return (convert(batch) for batch in self.feed._served_from(iterator))
+
+    def __len__(self):
+        return len(self.loader)
+
+
+def _array_server(x, y, sample_weight, plan, tag, take=None, put=None):
+    """`serve` for array inputs: a batch of row indices -> those rows, padded and tagged."""
+
+    def serve(rows):
+        padding, _ = pad_indices(len(rows), plan.replicas)
+        index = rows[padding]
+        if take is not None:
+            # One gather per array on the devices: the batch's rows and its padding together.
+            px, py = take(index.astype("int32"))
+            parts = _parts(px, py, _take(sample_weight, index))
+        else:
+            parts = _parts(_take(x, index), _take(y, index), _take(sample_weight, index))
+            if put is not None:
+                parts = put(parts)
+        if not plan.padded:
+            return parts
+        return tag(parts, len(rows), plan.replicas)
+
+    return serve
+
+
 def as_padded(x, y=None, sample_weight=None, *, batch_size=None, replicas, tag,
               shuffle=False, class_weight=None, drop_remainder=False, place=None,
-              put=None, rng=None, array_order=None):
-    """Turns what `Model.fit` accepts into padded batches.
+              put=None, steps_per_epoch=None, engine_state=None, set_engine_state=None,
+              to_backend=None):
+    """Turns what `Model.fit` accepts into a `Feed` of padded batches, in Keras's order.
 
     Args:
         tag: the engine's `tag(batch, rows, replicas)` (see `backends`).
-        shuffle: Keras's `shuffle` (arrays and `PyDataset`s; other inputs
-            order themselves, as in Keras).
+        shuffle: Keras's `shuffle`, passed on to Keras's adapter.
         place: for array inputs, a function that puts `(x, y)` on the devices
             and returns `take(index)`, or None to keep them on the host.
         put: for array inputs kept on the host, a function that places one
             batch on the devices (batches are then prefetched).
-        rng: a `RandomState` to shuffle with (default: the global generators).
-        array_order: the engine's `array_order` (see `backends`), which
-            shuffles array inputs as the backend's Keras trainer does.
+        engine_state, set_engine_state, to_backend: see `Feed`.
 
     Returns:
-        `(data, dataset)`: `data` is what to hand to Keras (a `PyDataset`, or
-        a generator for generator input) and `dataset` the `PaddedBatches`.
+        `(data, feed)`: what to hand to Keras, and the `Feed` (the same object).
     """
-    if isinstance(x, PaddedBatches):
+    if isinstance(x, Feed):
         return x, x
     if x is None:
         raise ValueError("No input data. Received: x=None.")
@@ -750,10 +672,15 @@ def as_padded(x, y=None, sample_weight=None, *, batch_size=None, replicas, tag,
         raise ValueError(
             f"shuffle must be True, False or 'batch', as in Keras. Received: shuffle={shuffle!r}."
         )
-    streaming = isinstance(x, (keras.utils.PyDataset, types.GeneratorType)) or (
-        not _is_array_like(x) and hasattr(x, "__iter__") and not isinstance(x, (dict, list, tuple))
-    )
-    if streaming:
+    options = {"engine_state": engine_state, "set_engine_state": set_engine_state,
+               "to_backend": to_backend}
+    if not _is_array_like(x):
+        if isinstance(x, (dict, list, tuple)):
+            raise TypeError(
+                "x must be arrays (NumPy, JAX, TensorFlow or PyTorch tensors, or a "
+                "dict/list of them), a keras.utils.PyDataset, a generator, or a "
+                f"dataset of known length. Received: x of type {type(x).__name__}."
+            )
         for name, value in (("y", y), ("sample_weight", sample_weight)):
             if value is not None:
                 raise ValueError(
@@ -767,21 +694,21 @@ def as_padded(x, y=None, sample_weight=None, *, batch_size=None, replicas, tag,
                 f"{type(x).__name__} decides its own batches: make it yield "
                 "full batches only."
             )
-        if isinstance(x, keras.utils.PyDataset):
-            dataset = WrappedPyDataset(x, replicas, tag, class_weight, shuffle=shuffle,
-                                       rng=None if rng is None else rng.python)
-            return dataset, dataset
-        if isinstance(x, types.GeneratorType) or not hasattr(x, "__len__"):
-            dataset = PaddedBatches(replicas, tag, class_weight)
-            return _padded_generator(x, dataset), dataset
-        dataset = WrappedIterable(x, replicas, tag, class_weight)
-        return dataset, dataset
-    if not _is_array_like(x):
-        raise TypeError(
-            "x must be arrays (NumPy, JAX, TensorFlow or PyTorch tensors, or a "
-            "dict/list of them), a keras.utils.PyDataset, a generator, or a "
-            f"dataset of known length. Received: x of type {type(x).__name__}."
-        )
+        try:
+            inner = data_adapters.get_data_adapter(
+                x, batch_size=batch_size, steps_per_epoch=steps_per_epoch, shuffle=shuffle,
+                class_weight=class_weight)
+        except ValueError as error:
+            if "Unrecognized data type" not in str(error):
+                raise
+            raise TypeError(
+                "x must be arrays (NumPy, JAX, TensorFlow or PyTorch tensors, or a "
+                "dict/list of them), a keras.utils.PyDataset, a generator, or a "
+                f"dataset of known length. Received: x of type {type(x).__name__}."
+            ) from None
+        feed = Feed(inner, lambda batch: _stream_server(batch, replicas, tag),
+                    replicas=replicas, **options)
+        return feed, feed
     rows = _num_rows(x, "x")
     check_dtypes(x, "x")
     check_dtypes(y, "y")
@@ -803,11 +730,38 @@ def as_padded(x, y=None, sample_weight=None, *, batch_size=None, replicas, tag,
             )
     if batch_size is None:
         batch_size = 32
-    dataset = ArrayBatches(
-        x, y, sample_weight,
-        plan(rows, batch_size, replicas, drop_remainder),
-        tag, shuffle=shuffle, class_weight=class_weight, place=place,
-        rng=None if rng is None else rng.numpy, put=put,
-        order=None if array_order is None else array_order(rows, batch_size, shuffle),
+    batches = plan(rows, batch_size, replicas, drop_remainder)
+    x, y, sample_weight = (
+        None if part is None else tree.map_structure(np.asarray, part)
+        for part in (x, y, sample_weight)
     )
-    return dataset, dataset
+    if class_weight is not None:
+        # Once for the whole set, rather than per batch.
+        sample_weight = class_sample_weights(y, class_weight, sample_weight)
+    take = place((x, y)) if place is not None else None
+    put = put if take is None else None
+    # The rows' order is Keras's own: its array adapter batches and shuffles their indices.
+    inner = data_adapters.get_data_adapter(
+        np.arange(rows, dtype="int64"), batch_size=batch_size,
+        steps_per_epoch=steps_per_epoch, shuffle=shuffle)
+    serve = _array_server(x, y, sample_weight, batches, tag, take=take, put=put)
+    # A prefetch reads the next batch's rows early: not with shuffle="batch", whose draws
+    # are made as each batch is read.
+    feed = Feed(inner, serve, replicas=replicas, num_batches=batches.num_batches,
+                arrays=(x, y, sample_weight), resident=take is not None,
+                prefetch=put is not None and shuffle != "batch", **options)
+    return feed, feed
+
+
+def _stream_server(batch, replicas, tag):
+    """`serve` for a stream (PyDataset, generator, tf.data, DataLoader): every batch is
+    tagged, since Keras fixes the data layout from an epoch's first batch."""
+    if not isinstance(batch, (tuple, list)) or not 1 <= len(batch) <= 3:
+        if isinstance(batch, dict) or hasattr(batch, "shape"):
+            batch = (batch,)
+        else:
+            raise ValueError(
+                "A batch of the input must be a tuple, either (inputs,) or (inputs, targets) "
+                "or (inputs, targets, sample_weights). Received: "
+                f"{type(batch).__name__}. Yield (x, y) batches, or (x,) for inputs alone.")
+    return pad_batch(tuple(batch), replicas, tag)[0]

@@ -256,15 +256,14 @@ class DeviceMonitor(keras.callbacks.Callback):
         dataset = getattr(self.model, "_fit_dataset", None)
         if dataset is None or getattr(dataset, "use_multiprocessing", False):
             return "none"  # worker processes get a pickled copy: nothing to time here
-        # The host's work only: a user's PyDataset, generator or iterable (the fetch of
-        # each batch), padding, and host-built array batches (the wait for the prefetched
-        # one). Not the gather of arrays kept on the devices
-        # (`take`): that is device work, and where a device runs its work in order
-        # (XLA:CPU), its dispatch waits for the step before it.
-        for name in ("dataset", "pad", "host_parts", "next_from"):
-            original = vars(dataset).get(name) if name == "dataset" else getattr(
-                dataset, name, None)
-            if original is None or not (callable(original) or hasattr(original, "__getitem__")):
+        # The host's work only (see `batching.Feed`): the fetch of each batch from Keras's
+        # adapter (a user's PyDataset, its workers' queue, a generator, a DataLoader),
+        # padding, and host-built array batches (the wait for the prefetched one). Not the
+        # gather of arrays kept on the devices: that is device work, and where a device
+        # runs its work in order (XLA:CPU), its dispatch waits for the step before it.
+        for name in ("pad", "host_parts", "next_from"):
+            original = getattr(dataset, name, None)
+            if original is None or not callable(original):
                 continue
             self._patched.append((dataset, name, name in vars(dataset), vars(dataset).get(name)))
             setattr(dataset, name, _Timed(self, original))

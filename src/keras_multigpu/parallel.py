@@ -349,9 +349,12 @@ class ParallelModel(keras.Model):
     def _padded(self, x, y=None, sample_weight=None, **kwargs):
         _check_names(self.template, x, "x", "input")
         _check_names(self.template, y, "y", "output")
+        backend = self._backend
         return batching.as_padded(x, y, sample_weight, replicas=self.num_replicas,
-                                  tag=self._backend.tag, place=self._place, put=self._put,
-                                  array_order=self._backend.array_order, **kwargs)
+                                  tag=backend.tag, place=self._place, put=self._put,
+                                  engine_state=backend.random_state,
+                                  set_engine_state=backend.set_random_state,
+                                  to_backend=backend.to_backend, **kwargs)
 
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
             callbacks=None, validation_split=0.0, validation_data=None,
@@ -372,13 +375,11 @@ class ParallelModel(keras.Model):
                     f"{type(x).__name__}. Pass validation_data instead."
                 )
             (x, y, sample_weight), validation_data = _split(x, y, sample_weight, validation_split)
-        # Arrays with shuffle=False draw nothing: no generator state to keep.
-        draws = shuffle is not False or not batching._is_array_like(x)
-        rng = batching.RandomState() if draws else None
         _check_targets(self.template, x, y, "fit", "train_step")
         data, dataset = self._padded(
             x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
-            class_weight=class_weight, drop_remainder=drop_remainder, rng=rng,
+            class_weight=class_weight, drop_remainder=drop_remainder,
+            steps_per_epoch=steps_per_epoch,
         )
         if validation_data is not None:
             if isinstance(validation_data, (tuple, list)):
@@ -420,8 +421,6 @@ class ParallelModel(keras.Model):
             raise
         finally:
             self._fit_dataset = None
-            if rng is not None:
-                rng.commit()
             _close(dataset)
             if validation_data is not None:
                 _close(validation_dataset)

@@ -6,8 +6,11 @@ shapes. No module imports keras_multigpu: a saved file must reload without it.
 Every module defines:
 
 - SOURCE: where the program comes from.
-- SAVE: "keras" (the whole model in a .keras file) or "weights" (a .weights.h5 file, for
-  subclassed models whose source gives them no config).
+- SAVE: "keras" (the whole model in a .keras file), "weights" (a .weights.h5 file, for
+  subclassed models whose source gives them no config) or None (Keras cannot save it).
+
+Optional: BACKENDS (the backends its own step is written for), PREDICT = False (no `call`),
+AMPLIFIED with EXACT_OPTIMIZER and FLOAT64, CONTROL (see tests/test_programs.py).
 - build(): the model, uncompiled (called after keras.utils.set_random_seed).
 - compile(model): the source's compile call, on the model or on its ParallelModel.
 - fit_kwargs(workdir): the source's fit arguments, with a global batch that divides

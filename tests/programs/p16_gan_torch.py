@@ -5,8 +5,10 @@ Source: https://github.com/keras-team/keras-io/blob/master/guides/custom_train_s
 ("Wrapping up: an end-to-end GAN example": the discriminator and generator, the GAN class,
 its label noise of shape (2 x rows, 1), `DataLoader(..., shuffle=True)`). Adapted to run on
 a CPU in a test: every filter count and the latent size are divided by 8; MNIST becomes 107
-synthetic 28x28 images; the batch 64 becomes 25; 2 epochs. The model has no `call`, so
-nothing is predicted (PREDICT = False).
+synthetic 28x28 images; the batch 64 becomes 25; 2 epochs; the step unpacks a list too
+(the DataLoader's default collate yields `[x, x]`, which the source's tuple test misses on
+Keras 3.15, on one device as on several). The model has no `call`, so nothing is predicted
+(PREDICT = False).
 """
 
 import keras
@@ -44,7 +46,7 @@ class GAN(keras.Model):
 
     def train_step(self, real_images):
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        if isinstance(real_images, tuple):
+        if isinstance(real_images, (tuple, list)):  # the source: tuple only
             real_images = real_images[0]
         batch_size = real_images.shape[0]
         random_latent_vectors = keras.random.normal(

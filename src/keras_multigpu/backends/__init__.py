@@ -26,10 +26,12 @@ Every backend module defines the names in `API`:
   return `take(index)`, which gathers a batch there, already split.
 - `shard(arrays, distribution)`: place one host batch on the devices, split
   along the batch axis, without waiting for the copy.
-- `array_order(num_samples, batch_size, shuffle)`: how the backend's Keras
-  trainer orders array inputs: None where it draws from NumPy's generator
-  (`batching.numpy_order`), else `new_pass()`, an iterator over one pass's
-  batches of row indices drawn as that trainer draws them.
+- `random_state()`, `set_random_state(state)`: the framework's own global
+  generator, which Keras's adapters may draw orders from (torch's), as plain
+  data; None where Keras's adapters draw from none (Python's and NumPy's are
+  kept by `batching`).
+- `to_backend(batch)`: a served batch as the backend's trainer takes it from
+  a `DataLoader` (torch tensors); the batch itself elsewhere.
 - `free_memory(devices)`: bytes free on each device (CPU devices: an equal
   share of the host's available memory), None where unknown.
 - `tag(batch, rows, replicas)`: on the host, a padded batch (its real rows
@@ -71,7 +73,9 @@ API = (
     "release",
     "resident",
     "shard",
-    "array_order",
+    "random_state",
+    "set_random_state",
+    "to_backend",
     "free_memory",
     "tag",
     "untag",

@@ -766,9 +766,18 @@ def resident(arrays, distribution):
     return lambda index: gather(placed, index)
 
 
-def array_order(num_samples, batch_size, shuffle):
-    """Keras's JAX trainer shuffles arrays with NumPy's generator."""
+def random_state():
+    """None: Keras's adapters draw orders from Python's and NumPy's generators here."""
     return None
+
+
+def set_random_state(state):
+    """Nothing to set (see `random_state`)."""
+
+
+def to_backend(batch):
+    """Keras's JAX trainer takes NumPy (or placed) batches as they are."""
+    return batch
 
 
 def shard(arrays, distribution):

@@ -319,60 +319,19 @@ def resident(arrays, distribution):
     return None
 
 
-def array_order(num_samples, batch_size, shuffle):
-    """Shuffles array inputs as Keras's TensorFlow trainer does.
+def random_state():
+    """None: Keras's TensorFlow adapters draw orders inside tf.data (op seeds), or from
+    Python's and NumPy's generators (a PyDataset's), which `batching` keeps."""
+    return None
 
-    Keras draws the permutation (or, with `shuffle="batch"`, each batch's)
-    with `tf.random.shuffle` inside its `tf.data` pipeline. The pipeline is
-    built here as Keras builds it, op for op, so that its random ops get the
-    same seeds and draw the same orders (under `keras.utils.set_random_seed`,
-    the same order every epoch, as in Keras). Each pass iterates it anew, as
-    Keras's epoch iterator does.
-    """
-    if not shuffle:
-        return None
 
-    def permutation(_):
-        indices = tf.range(num_samples, dtype=tf.int64)
-        if shuffle != "batch":
-            indices = tf.random.shuffle(indices)
-        return indices
+def set_random_state(state):
+    """Nothing to set (see `random_state`)."""
 
-    full = num_samples // batch_size
 
-    def slice_batch_indices(indices):
-        batches = tf.data.Dataset.from_tensor_slices(
-            tf.reshape(tf.slice(indices, [0], [full * batch_size]), [full, batch_size])
-        )
-        if num_samples % batch_size:
-            batches = batches.concatenate(tf.data.Dataset.from_tensors(
-                tf.slice(indices, [full * batch_size], [num_samples % batch_size])
-            ))
-        return batches
-
-    batches = tf.data.Dataset.range(1).map(permutation).prefetch(1)
-    batches = batches.flat_map(slice_batch_indices)
-    if shuffle == "batch":
-        batches = batches.map(tf.random.shuffle)
-
-    started = [0]
-
-    def new_pass():
-        started[0] += 1
-        for indices in batches:
-            yield indices.numpy()
-
-    # For an exact resume (`callbacks.Checkpoint`): the pipeline's draws are not
-    # state that can be read, but under a seed they are the same in every run,
-    # so its state is the number of passes drawn, and restoring it draws as many.
-    def set_state(passes):
-        while started[0] < passes:
-            for _ in new_pass():
-                pass
-
-    new_pass.get_state = lambda: started[0]
-    new_pass.set_state = set_state
-    return new_pass
+def to_backend(batch):
+    """Keras's TensorFlow trainer takes its batches from tf.data: nothing to convert."""
+    return batch
 
 
 def shard(arrays, distribution):

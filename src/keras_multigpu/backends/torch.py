@@ -315,37 +315,26 @@ def shard(arrays, distribution):
     return arrays  # each process takes its share of the rows in `run_step`
 
 
-def array_order(num_samples, batch_size, shuffle):
-    """Shuffles array inputs as Keras's torch trainer does, rank 0's order on every rank.
+def random_state():
+    """torch's global generator, which Keras's torch adapters draw orders from (a
+    `DataLoader`'s seeds, a `RandomSampler`'s), as plain data. Every process holds rank
+    0's (see `_join`), so each draws the same orders."""
+    state = {"cpu": torch.get_rng_state().tolist()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state().tolist()
+    return state
 
-    Keras batches arrays with torch's `BatchSampler` over a `RandomSampler`
-    (or, with `shuffle="batch"`, a `randperm` of each batch), drawing from
-    torch's global generator as each pass starts. The same samplers are
-    used here; with several processes, rank 0's order is broadcast.
-    """
-    if not shuffle:
-        return None
 
-    def batches():
-        if shuffle == "batch":
-            for batch in torch.utils.data.BatchSampler(range(num_samples), batch_size, False):
-                yield [batch[i] for i in torch.randperm(len(batch))]
-        else:
-            yield from torch.utils.data.BatchSampler(
-                torch.utils.data.RandomSampler(range(num_samples)), batch_size, False)
+def set_random_state(state):
+    torch.set_rng_state(torch.tensor(state["cpu"], dtype=torch.uint8))
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
 
-    def new_pass():
-        order = [np.asarray(b, "int64") for b in batches()]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            flat = torch.from_numpy(np.concatenate(order)).to(_device())
-            _collective("broadcast of the shuffled order", dist.broadcast, flat, src=0)
-            order = np.split(flat.cpu().numpy(), np.cumsum([len(b) for b in order])[:-1])
-        yield from order
 
-    # What a pass draws from, for an exact resume (`callbacks.Checkpoint`).
-    new_pass.get_state = lambda: torch.get_rng_state().tolist()
-    new_pass.set_state = lambda state: torch.set_rng_state(torch.tensor(state, dtype=torch.uint8))
-    return new_pass
+def to_backend(batch):
+    """A served batch (NumPy) as torch tensors on the current device, as Keras's own
+    `DataLoader` wrapper converts them."""
+    return tree.map_structure(keras.ops.convert_to_tensor, batch, none_is_leaf=False)
 
 
 def free_memory(devices):
