@@ -10,6 +10,7 @@ Every module defines:
   subclassed models whose source gives them no config) or None (Keras cannot save it).
 
 Optional: BACKENDS (the backends its own step is written for), PREDICT = False (no `call`),
+RANDOM_PREDICT = True (predictions draw: a reload is checked on its weights),
 AMPLIFIED with EXACT_OPTIMIZER and FLOAT64, CONTROL (see tests/test_programs.py).
 - build(): the model, uncompiled (called after keras.utils.set_random_seed).
 - compile(model): the source's compile call, on the model or on its ParallelModel.
