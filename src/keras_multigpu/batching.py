@@ -369,7 +369,9 @@ class Feed(data_adapter.DataAdapter):
         self._served = []  # the current pass's batches as read (array inputs: row indices)
         self._resume = None  # what the next epoch's pass restores (see `resume`)
         self._restore_now = None  # the generators to set once a resumed pass has drawn
+        self._not_an_end = False  # the next on_epoch_end is a new Keras call's start
         self._signature = None
+        self._inner_tf = None
 
     # -- Keras's DataAdapter ------------------------------------------------
 
@@ -391,6 +393,7 @@ class Feed(data_adapter.DataAdapter):
         return self.inner.partial_batch_size
 
     def on_epoch_begin(self):
+        self._not_an_end = False  # (only an end before the next epoch begins is skipped)
         resume, self._resume = self._resume, None
         if resume is not None:
             # The resumed epoch draws its order from the generators as they were when it
@@ -405,8 +408,21 @@ class Feed(data_adapter.DataAdapter):
         self.inner.on_epoch_begin()
 
     def on_epoch_end(self):
+        if self._not_an_end:
+            self._not_an_end = False
+            return
         self.ends += 1
         self.inner.on_epoch_end()
+
+    def continue_epochs(self):
+        """After a resumed epoch's Keras call, the next call trains the epochs after it.
+
+        Its batches are whole again, and the `on_epoch_end` Keras's new epoch iterator
+        calls as it starts is not passed on: in one uninterrupted call, one epoch end
+        separates two epochs (Keras's adapters count them: newer Keras seeds its orders by
+        that count)."""
+        self.skip = 0
+        self._not_an_end = True
 
     def get_numpy_iterator(self):
         return self._pass(self.inner.get_numpy_iterator)
@@ -423,7 +439,12 @@ class Feed(data_adapter.DataAdapter):
     def get_tf_dataset(self):
         import tensorflow as tf
 
-        dataset = self.inner.get_tf_dataset()
+        if self._inner_tf is None:
+            # Made once, as in one Keras call: a resumed fit makes one call for the rest of
+            # its epoch and another for the epochs after it (newer Keras seeds the array
+            # order by the epoch count when the pipeline is made).
+            self._inner_tf = self.inner.get_tf_dataset()
+        dataset = self._inner_tf
         if self.skip:
             dataset = dataset.skip(self.skip)
         spec = dataset.element_spec

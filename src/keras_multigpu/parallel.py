@@ -412,7 +412,10 @@ class ParallelModel(keras.Model):
                             initial_epoch=start, steps_per_epoch=steps_per_epoch,
                             validation_steps=validation_steps, validation_freq=validation_freq,
                         )
-                    dataset.skip = 0  # a resumed epoch is done: the next are whole
+                    if not last:
+                        # A resumed epoch is done: the next are whole, and the next Keras
+                        # call's start is not an epoch's end (see `Feed.continue_epochs`).
+                        dataset.continue_epochs()
                     if self.stop_training:
                         break
                 return history
