@@ -272,8 +272,9 @@ def test_a_rank_that_hangs_is_caught_by_the_timeout(tmp_path):
 def test_ctrl_c_reaches_every_rank(tmp_path):
     script = _script(tmp_path, "wait.py", """
         import os, sys, time
-        print("ready", flush=True)
         try:
+            # Inside the try: a Ctrl-C that lands just after the line is still caught.
+            print("ready", flush=True)
             time.sleep(600)
         except KeyboardInterrupt:
             print("rank", os.environ["RANK"], "got Ctrl-C", flush=True)

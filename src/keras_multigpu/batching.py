@@ -24,6 +24,7 @@ row indices), and pads what it yields. Nothing here re-draws a shuffle.
 
 import concurrent.futures
 import dataclasses
+import inspect
 import math
 import random
 import warnings
@@ -32,7 +33,12 @@ import keras
 import numpy as np
 from keras import tree
 from keras.src.trainers import data_adapters
-from keras.src.trainers.data_adapters import data_adapter, data_adapter_utils, py_dataset_adapter
+from keras.src.trainers.data_adapters import (
+    data_adapter,
+    data_adapter_utils,
+    generator_data_adapter,
+    py_dataset_adapter,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -717,11 +723,20 @@ def as_padded(x, y=None, sample_weight=None, *, batch_size=None, replicas, tag,
             )
         try:
             inner = data_adapters.get_data_adapter(
-                x, batch_size=batch_size, steps_per_epoch=steps_per_epoch, shuffle=shuffle,
-                class_weight=class_weight)
+                _checked_generator(x), batch_size=batch_size, steps_per_epoch=steps_per_epoch,
+                shuffle=shuffle, class_weight=class_weight)
         except ValueError as error:
             if "Unrecognized data type" not in str(error):
                 raise
+            inner = None
+        if inner is None and hasattr(x, "__iter__") and hasattr(x, "__len__"):
+            if class_weight is not None:
+                raise ValueError(
+                    f"class_weight applies to array inputs; a {type(x).__name__} must yield "
+                    "sample weights itself. Received: class_weight with an iterable x."
+                )
+            inner = _Iterable(x)
+        if inner is None:
             raise TypeError(
                 "x must be arrays (NumPy, JAX, TensorFlow or PyTorch tensors, or a "
                 "dict/list of them), a keras.utils.PyDataset, a generator, or a "
@@ -772,6 +787,53 @@ def as_padded(x, y=None, sample_weight=None, *, batch_size=None, replicas, tag,
                 arrays=(x, y, sample_weight), resident=take is not None,
                 prefetch=put is not None and shuffle != "batch", **options)
     return feed, feed
+
+
+def _first_batch_checked(first):
+    """Keras's generator rule (yield tuples), said with the batch's shape rather than its values."""
+    if first is None:
+        raise ValueError("The data yielded no batch. Received: an empty iterator.")
+    if not isinstance(first, tuple):
+        shapes = tree.map_structure(lambda leaf: tuple(np.shape(leaf)), first)
+        raise ValueError(
+            "When passing a Python generator to a Keras model, the generator must return a "
+            "tuple, either (input,) or (inputs, targets) or (inputs, targets, sample_weights). "
+            f"Received: {type(first).__name__} of shape {shapes}. Yield (x, y), or (x,) for "
+            "inputs alone."
+        )
+
+
+def _checked_generator(x):
+    """A Python generator, with its first batch checked before Keras reads it."""
+    if not inspect.isgenerator(x):
+        return x
+    first = next(x, None)
+    _first_batch_checked(first)
+
+    def restored():
+        yield first
+        yield from x
+
+    return restored()
+
+
+class _Iterable(generator_data_adapter.GeneratorDataAdapter):
+    """A re-iterable of batches (`__iter__` and `__len__`, read afresh each epoch).
+
+    Keras takes generators, which last one epoch; an object that makes a new iterator
+    each epoch, as tf.data and DataLoaders do, is read as Keras reads a generator, once
+    per epoch, for `len(iterable)` steps.
+    """
+
+    def __init__(self, iterable):
+        _first_batch_checked(next(iter(iterable), None))
+        super().__init__(iter(iterable))
+        self.generator = lambda: iter(iterable)
+        self._length = len(iterable)
+
+    @property
+    def num_batches(self):
+        return self._length
 
 
 def _stream_server(batch, replicas, tag):
