@@ -12,7 +12,7 @@
 # this script.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-bash scripts/setup.sh jax,test,peers
+bash scripts/setup.sh jax,test,peers,experiment
 # torch's CPU build: a bare `pip install torch` would pull gigabytes of CUDA.
 .venv/bin/python -m pip install -q torch==2.13.0
 logs=$(mktemp -d)

@@ -1,6 +1,9 @@
 """keras_multigpu: train any Keras 3 model on every device, with one call.
 
 ```python
+import os
+os.environ["KERAS_BACKEND"] = "jax"     # or "tensorflow", "torch": your choice, as in Keras
+
 import keras_multigpu as kmg
 
 parallel = kmg.multi_gpu_model(model)   # every GPU, or every CPU device
@@ -9,23 +12,17 @@ parallel.fit(x, y, batch_size=64 * parallel.num_replicas, epochs=10)
 model.save("trained.keras")             # a plain Keras file
 ```
 
-Importing this package reads `KERAS_MULTIGPU_CPU_DEVICES` and, when it is
-set and the framework has not started, asks for that many virtual CPU
-devices.
+Importing this package changes no environment variable and no Keras setting: Keras picks
+its backend as it always does (`KERAS_BACKEND`, else `~/.keras/keras.json`, else
+TensorFlow). It reads `KERAS_MULTIGPU_CPU_DEVICES` and, when it is set and the framework
+has not started, asks for that many virtual CPU devices.
 """
 
 import os as _os
 
-# JAX is the exact engine (see the README's backend table); Keras would otherwise pick
-# TensorFlow. An explicit KERAS_BACKEND, or a Keras already imported, wins.
-_GIVEN_BACKEND = _os.environ.get("KERAS_BACKEND")  # `launch` passes the user's own on
-_os.environ.setdefault("KERAS_BACKEND", "jax")
-
-from keras_multigpu import backends as _backends  # noqa: E402
-from keras_multigpu import callbacks, schedules  # noqa: E402
-from keras_multigpu.devices import Device, list_devices  # noqa: E402
-from keras_multigpu.devices import cpu_device_count as _cpu_device_count  # noqa: E402
-from keras_multigpu.parallel import ParallelModel, multi_gpu_model  # noqa: E402
+from keras_multigpu import _extras
+from keras_multigpu.devices import Device, list_devices
+from keras_multigpu.devices import cpu_device_count as _cpu_device_count
 
 __version__ = "0.1.0"
 
@@ -34,11 +31,28 @@ __all__ = [
     "__version__",
 ]
 
-if "LOCAL_RANK" in _os.environ or "TF_CONFIG" in _os.environ:
-    # Started by `keras-multigpu launch` (or torchrun), or as one of several TensorFlow
-    # workers: the engine picks this process's device, or joins the other workers, before
-    # the user's model is built (TensorFlow joins them only as its runtime starts).
-    _backends.current()
+try:
+    import keras as _keras  # noqa: F401 - fails when Keras's backend is not installed
+except ImportError as _error:
+    # `keras-multigpu devices` and `launch` work without a framework; the rest needs one,
+    # and says so in one line when it is first used.
+    _KERAS_ERROR = _error
 
-if _cpu_device_count():
-    _backends.current().configure_cpu_devices(_cpu_device_count())
+    def __getattr__(name):
+        if name in __all__:
+            raise _extras.no_framework(_KERAS_ERROR, f"keras_multigpu.{name}")
+        raise AttributeError(f"module 'keras_multigpu' has no attribute {name!r}")
+else:
+    from keras_multigpu import backends as _backends
+    from keras_multigpu import callbacks, schedules
+    from keras_multigpu.parallel import ParallelModel, multi_gpu_model
+
+    if "LOCAL_RANK" in _os.environ or "TF_CONFIG" in _os.environ:
+        # Started by `keras-multigpu launch` (or torchrun), or as one of several TensorFlow
+        # workers: the engine picks this process's device, or joins the other workers,
+        # before the user's model is built (TensorFlow joins them only as its runtime
+        # starts).
+        _backends.current()
+
+    if _cpu_device_count():
+        _backends.current().configure_cpu_devices(_cpu_device_count())

@@ -540,4 +540,11 @@ def _metric_state(model):
     return [_numpy(v) for v in variables]
 
 
-from keras_multigpu.monitor import DeviceMonitor  # noqa: E402, F401 - re-exported
+def __getattr__(name):
+    # `DeviceMonitor` lives in `monitor` and is imported on first use: NVML and matplotlib
+    # come with the `monitor` extra, and a plain `import keras_multigpu` loads neither.
+    if name == "DeviceMonitor":
+        from keras_multigpu.monitor import DeviceMonitor
+
+        return DeviceMonitor
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

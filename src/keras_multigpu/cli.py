@@ -234,7 +234,7 @@ def _claimed(path, overwrite):
 
 
 def _add_training_flags(parser):
-    from keras_multigpu.experiment import Config
+    from keras_multigpu.experiment_config import Config
 
     defaults = Config()
     parser.add_argument("--output", default=defaults.output,
@@ -277,7 +277,7 @@ _PROGRESS = {"auto": "auto", "bar": 1, "epoch": 2, "none": 0}
 
 
 def _config(args, gpus, output):
-    from keras_multigpu.experiment import Config
+    from keras_multigpu.experiment_config import Config
 
     fields = {f.name for f in dataclasses.fields(Config)}
     values = {k: v for k, v in vars(args).items() if k in fields}
@@ -367,7 +367,15 @@ def _train_one(config, target, overwrite=None):
     return summary, status
 
 
+def _needs_experiment(command):
+    """`train`, `compare` and `bench` draw figures: matplotlib comes with the extra."""
+    from keras_multigpu._extras import require
+
+    require("matplotlib", "experiment", f"keras-multigpu {command}")
+
+
 def cmd_train(args):
+    _needs_experiment(args.command)
     config = _config(args, args.gpus, args.output)
     _check_output(args.output, args.overwrite)
     _prepare_devices(args.gpus)
@@ -375,6 +383,7 @@ def cmd_train(args):
 
 
 def cmd_compare(args):
+    _needs_experiment(args.command)
     configs = [_config(args, count, os.path.join(args.output, f"gpus-{count}"))
                for count in args.gpus]
     _check_output(args.output, args.overwrite)
@@ -451,6 +460,7 @@ def _cmd_project(args):
 
 
 def cmd_bench(args):
+    _needs_experiment(args.command)
     from keras_multigpu import bench
 
     if args.project:
@@ -488,24 +498,37 @@ def _default_processes():
 
 
 def cmd_launch(args):
-    import keras_multigpu
     from keras_multigpu import launch
 
     command = (["-m"] if args.module else []) + [args.script, *args.args]
     base = dict(os.environ)
-    if keras_multigpu._GIVEN_BACKEND is None:
-        base.pop("KERAS_BACKEND", None)  # as the user had it: Keras's config decides
     try:
         nnodes, node_rank, address, port, node_hosts = _nodes(args, launch)
-        backend = (keras_multigpu._GIVEN_BACKEND or "").strip() or None
+        backend = (os.environ.get("KERAS_BACKEND") or "").strip() or _configured_backend()
+        # Neither set: Keras's default, TensorFlow, unless the script names another itself;
+        # its workers get TF_CONFIG wherever their addresses are known.
+        tf_config = backend == "tensorflow" or backend is None and (
+            nnodes == 1 or node_hosts is not None or address in launch.LOOPBACK)
         return launch.launch(
             args.nproc or _default_processes(), command, address=address, port=port,
             quiet_ranks=args.quiet_ranks, timeout=args.timeout, base_env=base,
             nnodes=nnodes, node_rank=node_rank, max_restarts=args.max_restarts,
-            node_hosts=node_hosts, tf_config=backend == "tensorflow",
+            node_hosts=node_hosts, tf_config=tf_config,
         )
     except launch.LaunchError as error:
         raise UsageError(str(error)) from None
+
+
+def _configured_backend():
+    """The backend named in Keras's own config file (`$KERAS_HOME/keras.json`, else
+    `~/.keras/keras.json`), read without importing Keras; None when it names none."""
+    home = os.environ.get("KERAS_HOME") or os.path.join(os.path.expanduser("~"), ".keras")
+    try:
+        with open(os.path.join(home, "keras.json")) as f:
+            backend = json.load(f).get("backend")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return backend.strip() if isinstance(backend, str) and backend.strip() else None
 
 
 def _nodes(args, launch):
@@ -689,6 +712,9 @@ def main(argv=None):
         _report(args.command, "interrupted", error)
         return EXIT_INTERRUPTED
     except (UsageError, OSError, ValueError, TypeError) as error:
+        _report(args.command, f"error: {error}", error)
+        return EXIT_USAGE
+    except ImportError as error:  # a missing extra or backend: the message names it
         _report(args.command, f"error: {error}", error)
         return EXIT_USAGE
 

@@ -23,51 +23,10 @@ from keras_multigpu import callbacks as callbacks_lib
 from keras_multigpu import data as data_lib
 from keras_multigpu import models
 from keras_multigpu._io import atomic_path, write_json
+from keras_multigpu.experiment_config import Config  # noqa: F401 - its home before
 from keras_multigpu.parallel import multi_gpu_model
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class Config:
-    """One training run; CLI flags map one-to-one to these fields."""
-
-    gpus: int | None = None
-    epochs: int = 70
-    batch_per_device: int = 64
-    lr: float = 5e-3
-    momentum: float = 0.9
-    width: float = 1.0
-    limit: int | None = None
-    data_dir: str | None = None
-    seed: int = 42
-    augment: bool = True
-    precision: str = "float32"
-    output: str = "runs/minigooglenet"
-    verbose: int | str = "auto"
-
-    def validate(self):
-        for name in ("epochs", "batch_per_device"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer. Received: {name}={value!r}.")
-        for name in ("lr", "width"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-                0 < value < math.inf
-            ):
-                raise ValueError(
-                    f"{name} must be a positive finite number. Received: {name}={value!r}."
-                )
-        if self.verbose not in ("auto", 0, 1, 2):
-            raise ValueError(
-                f"verbose must be 'auto', 0, 1 or 2. Received: verbose={self.verbose!r}."
-            )
-        if self.precision not in ("float32", "mixed_bfloat16", "mixed_float16"):
-            raise ValueError(
-                "precision must be float32, mixed_bfloat16 or mixed_float16. "
-                f"Received: precision={self.precision!r}."
-            )
 
 
 def build_models(mean, width=1.0, augment=True, seed=None):

@@ -35,7 +35,7 @@ import time
 import keras
 from keras.src.utils import io_utils
 
-from keras_multigpu import _io
+from keras_multigpu import _extras, _io
 from keras_multigpu import nvml as nvml_lib
 from keras_multigpu.diagnosis import communication_estimate, per_step, verdict
 
@@ -160,6 +160,7 @@ class DeviceMonitor(keras.callbacks.Callback):
 
     def __init__(self, log_dir, interval=0.5, tensorboard=None):
         super().__init__()
+        _extras.require("matplotlib", "monitor", "DeviceMonitor")  # its figure, at fit's end
         try:
             seconds = float(interval)
         except (TypeError, ValueError):

@@ -42,7 +42,9 @@ def open_nvml():
     try:
         import pynvml
     except ImportError as error:
-        raise NvmlUnavailable(f"nvidia-ml-py is not installed ({error})") from error
+        raise NvmlUnavailable(
+            f"nvidia-ml-py is not installed ({error}); pip install \"keras-multigpu[monitor]\" "
+            "brings it") from error
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError as error:

@@ -1,7 +1,8 @@
 """The experiment's figures, drawn with matplotlib (no display needed)."""
 
-import matplotlib
+from keras_multigpu._extras import require
 
+matplotlib = require("matplotlib", "experiment", "The experiment (train, compare, bench)")
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 

@@ -60,8 +60,6 @@ Every backend module defines the names in `API`:
 import functools
 import importlib
 
-import keras
-
 API = (
     "configure_cpu_devices",
     "list_devices",
@@ -93,6 +91,8 @@ BACKENDS = ("jax", "tensorflow", "torch")
 @functools.cache
 def current():
     """Returns the module for the Keras backend in use."""
+    import keras  # here, not at import: the CLI's `devices` and `launch` need no framework
+
     name = keras.backend.backend()
     if name not in BACKENDS:
         raise ValueError(

@@ -1,0 +1,136 @@
+"""The package as a user installs and imports it: no surprise at import, the user's backend
+choice honoured, and a missing extra or framework named in one line.
+
+Each test runs a fresh interpreter: what an import does can only be seen before it.
+A module "not installed" is simulated by `sys.modules[name] = None`, which makes Python's
+import of it raise ImportError, as on a machine without it.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _python(code, env=None, timeout=240):
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("KERAS_BACKEND", "KERAS_MULTIGPU_CPU_DEVICES", "XLA_FLAGS")}
+    source = os.path.join(ROOT, "src")
+    base["PYTHONPATH"] = os.pathsep.join(filter(None, [source, base.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)],
+                          env={**base, **(env or {})}, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+BLOCK = "import sys\nfor _name in {names!r}:\n    sys.modules[_name] = None\n"
+
+
+def test_import_honours_keras_json_and_changes_no_environment(tmp_path):
+    home = tmp_path / "keras-home"
+    home.mkdir()
+    (home / "keras.json").write_text(json.dumps({"backend": "torch"}))
+    result = _python("""
+        import json, os
+        import keras  # Keras's import sets variables of its own (TF_CPP_MIN_LOG_LEVEL, ...)
+        before = dict(os.environ)
+        import keras_multigpu
+        changed = sorted(k for k in set(before) | set(os.environ)
+                         if before.get(k) != os.environ.get(k))
+        print(json.dumps({"backend": keras.backend.backend(), "changed": changed}))
+    """, env={"KERAS_HOME": str(home)})
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report == {"backend": "torch", "changed": []}
+
+
+def test_the_users_keras_backend_wins_over_keras_json(tmp_path):
+    home = tmp_path / "keras-home"
+    home.mkdir()
+    (home / "keras.json").write_text(json.dumps({"backend": "torch"}))
+    result = _python("import keras_multigpu, keras; print(keras.backend.backend())",
+                     env={"KERAS_HOME": str(home), "KERAS_BACKEND": "jax"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[-1] == "jax"
+
+
+def test_with_nothing_set_keras_default_stands(tmp_path):
+    pytest.importorskip("tensorflow", reason="Keras's default backend is TensorFlow")
+    home = tmp_path / "empty-keras-home"
+    home.mkdir()
+    result = _python("import keras_multigpu, keras; print(keras.backend.backend())",
+                     env={"KERAS_HOME": str(home)})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[-1] == "tensorflow"
+
+
+def test_import_loads_neither_the_monitor_nor_nvml():
+    result = _python("""
+        import sys
+        import keras_multigpu
+        print(sorted(m for m in ("keras_multigpu.monitor", "keras_multigpu.nvml", "pynvml")
+                     if m in sys.modules))
+        print(keras_multigpu.callbacks.DeviceMonitor.__module__)
+    """, env={"KERAS_BACKEND": "jax"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:2] == ["[]", "keras_multigpu.monitor"]
+
+
+def test_a_missing_monitor_extra_is_named_in_one_line():
+    result = _python(BLOCK.format(names=("matplotlib",)) + textwrap.dedent("""
+        import keras_multigpu as kmg
+        try:
+            kmg.callbacks.DeviceMonitor("logs")
+        except ImportError as error:
+            print(type(error).__name__, "|", error)
+    """), env={"KERAS_BACKEND": "jax"})
+    assert result.returncode == 0, result.stderr
+    line = result.stdout.strip()
+    assert line.startswith("MissingExtra | DeviceMonitor needs matplotlib"), line
+    assert 'pip install "keras-multigpu[monitor]"' in line and "\n" not in line
+
+
+@pytest.mark.parametrize("command", [["train", "--epochs", "1"], ["bench", "--project",
+                                                                   "--step-ms", "5"]])
+def test_a_missing_experiment_extra_is_one_line_and_exit_2(command, tmp_path):
+    result = _python(BLOCK.format(names=("matplotlib",)) + textwrap.dedent(f"""
+        from keras_multigpu.cli import main
+        sys.exit(main({command + ["--output", str(tmp_path / "run")]!r}))
+    """), env={"KERAS_BACKEND": "jax"})
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"keras-multigpu {command[0]}: error: ")
+    assert 'pip install "keras-multigpu[experiment]"' in lines[0]
+    assert not (tmp_path / "run").exists()
+
+
+FRAMEWORKS = ("jax", "jaxlib", "tensorflow", "torch")
+
+
+def test_devices_and_launch_work_without_a_framework(tmp_path):
+    script = tmp_path / "hello.py"
+    script.write_text("import os\nprint('rank', os.environ['RANK'], 'of', "
+                      "os.environ['WORLD_SIZE'])\n")
+    result = _python(BLOCK.format(names=FRAMEWORKS) + textwrap.dedent(f"""
+        import keras_multigpu
+        from keras_multigpu.cli import main
+        assert main(["devices"]) == 0
+        code = main(["launch", "-n", "2", {str(script)!r}])
+        try:
+            keras_multigpu.multi_gpu_model
+        except ImportError as error:
+            print("needs:", error)
+        sys.exit(code)
+    """), env={"KERAS_BACKEND": "jax"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "rank 0 of 2" in result.stdout and "rank 1 of 2" in result.stdout
+    assert "No GPU found" in result.stdout or "gpu:" in result.stdout
+    needs = [line for line in result.stdout.splitlines() if line.startswith("needs:")]
+    assert len(needs) == 1, result.stdout
+    assert "keras_multigpu.multi_gpu_model needs Keras with a backend" in needs[0]
+    assert 'pip install "keras-multigpu[jax]"' in needs[0]
