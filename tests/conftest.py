@@ -11,7 +11,11 @@ runs whole in k forked processes joined by gloo, as `keras-multigpu launch
 test's own comparisons, and the test fails when any of them fails.
 """
 
+import atexit
+import functools
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 if os.environ["KERAS_BACKEND"] != "torch":
@@ -22,17 +26,6 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import keras_multigpu as kmg  # noqa: E402
-
-SHARED_DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")
-
-
-def cifar_dir():
-    """The shared CIFAR-10 subset, by environment variable or beside the repo."""
-    for candidate in (os.environ.get("KERAS_MULTIGPU_DATA"), SHARED_DATA):
-        if candidate and os.path.isdir(candidate):
-            return os.path.abspath(candidate)
-    return None
-
 
 CIFAR_BATCH_FILES = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
 
@@ -52,6 +45,17 @@ def synthetic_cifar(root, rows=16):
         with open(os.path.join(folder, name), "wb") as f:
             pickle.dump(batch, f, protocol=2)
     return folder
+
+
+@functools.cache
+def cifar_dir():
+    """A synthetic CIFAR-10 folder (`synthetic_cifar`, 40 images per batch file) made once per
+    process and removed at exit: the tests of `train` and `compare` need the format, not the
+    images, and never skip for want of the real dataset."""
+    root = tempfile.mkdtemp(prefix="kmg-cifar-")
+    atexit.register(shutil.rmtree, root, True)
+    synthetic_cifar(root, rows=40)
+    return root
 
 
 @pytest.fixture

@@ -83,6 +83,7 @@ print("trained")
 """
 
 
+@pytest.mark.slow  # a process of its own
 def test_trains_on_two_virtual_devices_without_hanging():
     result = subprocess.run([sys.executable, "-c", NO_HANG], capture_output=True, text=True,
                             timeout=240, check=False)

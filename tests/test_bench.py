@@ -9,6 +9,8 @@ import pytest
 from keras_multigpu import _xla, bench, cli
 from keras_multigpu.bench import scaling, worker
 
+pytestmark = pytest.mark.slow  # several processes or whole runs: not in the fast loop
+
 
 def test_setup_names():
     assert bench.parse("ours-4") == bench.Setup("ours", 4)

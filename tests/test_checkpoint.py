@@ -19,6 +19,8 @@ import pytest
 import keras_multigpu as kmg
 from keras_multigpu.callbacks import Checkpoint, CheckpointError
 
+pytestmark = pytest.mark.slow  # several processes or whole runs: not in the fast loop
+
 # argv: checkpoint folder, output file, then "die" (os._exit in the middle of epoch 2),
 # "ctrl-c" (a SIGINT there) or nothing. Dropout, BatchNorm, shuffling, a decaying learning
 # rate and Adam: every piece of state a resume must restore.

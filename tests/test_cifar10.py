@@ -1,4 +1,4 @@
-"""Tests for keras_multigpu.data.cifar10 (no network; real subset read in place)."""
+"""Tests for keras_multigpu.data.cifar10 (no network; synthetic folders in the dataset's format)."""
 
 import codecs
 import os
@@ -11,33 +11,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import synthetic_cifar
 from keras_multigpu.data import cifar10
 from keras_multigpu.data.cifar10 import find_cifar10, load_cifar10, read_batch
 
 BATCH_FILES = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
 
 
-def _shared_folder():
-    candidates = []
-    if os.environ.get("KERAS_MULTIGPU_DATA"):
-        env = Path(os.environ["KERAS_MULTIGPU_DATA"])
-        candidates += [env, env / "cifar-10-batches-py"]
-    beside_repo = Path(__file__).resolve().parents[2] / "shared" / "data"
-    candidates += [
-        beside_repo / "cifar-10-batches-py",
-        Path("/work/shared/data/cifar-10-batches-py"),
-    ]
-    for folder in candidates:
-        if all((folder / n).is_file() for n in BATCH_FILES):
-            return folder
-    return None
+ROWS = 320  # images per batch file of the synthetic folder: 1,600 training, 320 test
 
 
-SHARED = _shared_folder()
-needs_data = pytest.mark.skipif(
-    SHARED is None,
-    reason="shared CIFAR-10 subset not found ($KERAS_MULTIGPU_DATA, ../shared/data)",
-)
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """A CIFAR-10 folder in the dataset's own format (pickled batches of uint8 rows)."""
+    return Path(synthetic_cifar(tmp_path_factory.mktemp("cifar"), rows=ROWS))
 
 
 @pytest.fixture(autouse=True)
@@ -77,35 +64,32 @@ def _fake_folder(root, n=4):
     return folder
 
 
-@needs_data
-def test_loads_shared_subset():
-    (x_train, y_train), (x_test, y_test) = load_cifar10(SHARED, download=False)
-    assert x_train.shape == (5085, 32, 32, 3) and x_test.shape == (1017, 32, 32, 3)
+def test_loads_a_folder(shared):
+    (x_train, y_train), (x_test, y_test) = load_cifar10(shared, download=False)
+    assert x_train.shape == (5 * ROWS, 32, 32, 3) and x_test.shape == (ROWS, 32, 32, 3)
     assert x_train.dtype == np.uint8 and x_test.dtype == np.uint8
-    assert y_train.shape == (5085,) and y_test.shape == (1017,)
+    assert y_train.shape == (5 * ROWS,) and y_test.shape == (ROWS,)
     assert y_train.dtype == np.int32 and y_test.dtype == np.int32
     for y in (y_train, y_test):
         assert y.min() >= 0 and y.max() <= 9 and len(np.unique(y)) == 10
     assert x_train.flags.c_contiguous and 50 < x_train.mean() < 200
 
 
-@needs_data
-def test_channels_last_layout_matches_raw_rows():
-    with open(SHARED / "data_batch_1", "rb") as f:
+def test_channels_last_layout_matches_raw_rows(shared):
+    with open(shared / "data_batch_1", "rb") as f:
         raw = pickle.load(f, encoding="bytes")
-    x, y = read_batch(SHARED / "data_batch_1")
+    x, y = read_batch(shared / "data_batch_1")
     row = np.asarray(raw[b"data"][3])
     np.testing.assert_array_equal(x[3, :, :, 0].ravel(), row[:1024])  # red plane
     np.testing.assert_array_equal(x[3, :, :, 2].ravel(), row[2048:])  # blue plane
     assert list(y) == list(raw[b"labels"])
 
 
-@needs_data
-def test_limit():
-    (x_train, y_train), (x_test, y_test) = load_cifar10(SHARED, limit=1500, download=False)
+def test_limit(shared):
+    (x_train, y_train), (x_test, y_test) = load_cifar10(shared, limit=1500, download=False)
     assert x_train.shape == (1500, 32, 32, 3) and y_train.shape == (1500,)
-    assert x_test.shape == (1017, 32, 32, 3)
-    (x_train, _), (x_test, y_test) = load_cifar10(SHARED, limit=7, download=False)
+    assert x_test.shape == (ROWS, 32, 32, 3)
+    (x_train, _), (x_test, y_test) = load_cifar10(shared, limit=7, download=False)
     assert len(x_train) == 7 and len(x_test) == 7 and len(y_test) == 7
 
 
@@ -197,12 +181,11 @@ def test_download_used_last_and_failure_reported(tmp_path, monkeypatch):
     assert find_cifar10() == extracted
 
 
-@needs_data
-def test_truncated_file(tmp_path):
+def test_truncated_file(tmp_path, shared):
     folder = tmp_path / "cifar-10-batches-py"
     folder.mkdir()
     for name in BATCH_FILES:
-        shutil.copyfile(SHARED / name, folder / name)
+        shutil.copyfile(shared / name, folder / name)
     target = folder / "data_batch_3"
     with open(target, "r+b") as f:
         f.truncate(os.path.getsize(target) // 2)

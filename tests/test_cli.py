@@ -18,12 +18,11 @@ from keras_multigpu import callbacks as callbacks_lib
 from keras_multigpu import cli, experiment, interrupt
 from keras_multigpu.data import load_cifar10
 
-needs_data = pytest.mark.skipif(cifar_dir() is None, reason="the shared CIFAR-10 subset is absent")
 TINY = ["--limit", "32", "--width", "0.0625", "--batch-per-device", "8"]
 
 
 def _train(out, *flags, epochs=1):
-    return cli.main(["train", "--output", str(out), "--data-dir", cifar_dir() or "/nowhere",
+    return cli.main(["train", "--output", str(out), "--data-dir", cifar_dir(),
                      "--epochs", str(epochs), *TINY, *flags])
 
 
@@ -146,7 +145,7 @@ def test_an_output_that_is_a_file_is_refused(tmp_path, capsys, command):
 def test_an_earlier_run_is_not_overwritten(tmp_path, capsys, command):
     (tmp_path / "history.json").write_text("{}")
     (tmp_path / "model.keras").write_text("old")
-    code = cli.main([command, "--output", str(tmp_path), "--data-dir", cifar_dir() or "/x"])
+    code = cli.main([command, "--output", str(tmp_path), "--data-dir", cifar_dir()])
     assert code == 2
     err = capsys.readouterr().err
     assert err == (f"keras-multigpu {command}: error: --output {tmp_path} already holds files "
@@ -185,7 +184,7 @@ def test_a_run_failing_before_its_first_file_leaves_no_folder(tmp_path, capsys):
     assert os.listdir(tmp_path) == []
 
 
-@needs_data
+@pytest.mark.slow  # a whole run
 def test_a_first_write_that_fails_leaves_no_empty_folder(tmp_path, capsys, monkeypatch):
     """The folder appears with the first file: a failed write takes it away again."""
 
@@ -206,7 +205,6 @@ def test_a_first_write_that_fails_leaves_no_empty_folder(tmp_path, capsys, monke
 # -- a whole run: overwrite, gpus=0, the closing line -----------------------------------
 
 
-@needs_data
 def test_overwrite_replaces_a_run_and_the_closing_line_says_what_happened(tmp_path, capsys):
     (tmp_path / "history.json").write_text("{}")
     (tmp_path / "notes.txt").write_text("mine")
@@ -239,7 +237,6 @@ def _evaluate(path, limit):
                           verbose=0)
 
 
-@needs_data
 def test_a_crash_keeps_the_epochs_done(tmp_path, monkeypatch):
     _fail_in_epoch(monkeypatch, 2, RuntimeError("the device fell over"))
     with pytest.raises(RuntimeError, match="the device fell over") as info:
@@ -259,7 +256,6 @@ def test_a_crash_keeps_the_epochs_done(tmp_path, monkeypatch):
     assert keras.config.dtype_policy().name == "float32"
 
 
-@needs_data
 def test_ctrl_c_exits_130_naming_what_was_kept(tmp_path, capsys, monkeypatch):
     _fail_in_epoch(monkeypatch, 3, interrupt.Interrupted("Stopped by Ctrl-C"))
     assert _train(tmp_path / "run", "--gpus", "2", epochs=5) == 130
@@ -269,7 +265,6 @@ def test_ctrl_c_exits_130_naming_what_was_kept(tmp_path, capsys, monkeypatch):
     assert [e["epoch"] for e in _history(tmp_path / "run")["epochs"]] == [1, 2]
 
 
-@needs_data
 def test_ctrl_c_in_the_first_epoch_leaves_no_folder(tmp_path, capsys, monkeypatch):
     _fail_in_epoch(monkeypatch, 1, interrupt.Interrupted("Stopped by Ctrl-C"))
     assert _train(tmp_path / "run", "--gpus", "1") == 130
@@ -285,7 +280,7 @@ def _sigint_default():
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-@needs_data
+@pytest.mark.slow  # a process of its own
 def test_a_real_ctrl_c_on_a_piped_run(tmp_path):
     """The installed command, stdout piped: one line per epoch, and a SIGINT ends it with
     status 130, one message and no traceback, keeping the epochs done."""

@@ -17,6 +17,8 @@ import pytest
 import keras_multigpu as kmg
 from keras_multigpu import backends
 
+pytestmark = pytest.mark.slow  # several processes or whole runs: not in the fast loop
+
 BACKEND = keras.backend.backend()
 RTOL, ATOL = 1e-5, 1e-6
 

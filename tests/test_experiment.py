@@ -11,7 +11,8 @@ import pytest
 from conftest import cifar_dir
 from keras_multigpu import cli
 
-needs_data = pytest.mark.skipif(cifar_dir() is None, reason="the shared CIFAR-10 subset is absent")
+pytestmark = pytest.mark.slow  # several processes or whole runs: not in the fast loop
+
 TINY = ["--epochs", "2", "--limit", "96", "--width", "0.125", "--batch-per-device", "16"]
 
 LOAD = """
@@ -22,7 +23,6 @@ print("library" if "keras_multigpu" in sys.modules else "plain", model.predict(
 """
 
 
-@needs_data
 def test_train_writes_every_output(tmp_path, capsys):
     out = tmp_path / "run"
     code = cli.main(["train", "--gpus", "3", "--output", str(out), "--data-dir", cifar_dir(),
@@ -62,7 +62,6 @@ def test_train_writes_every_output(tmp_path, capsys):
     assert loaded.stdout.split() == ["plain", "(2,", "10)"]
 
 
-@needs_data
 def test_target_accuracy_sets_the_exit_status(tmp_path, capsys):
     code = cli.main(["train", "--gpus", "2", "--output", str(tmp_path), "--data-dir",
                      cifar_dir(), "--target-acc", "0.99", "--no-augment", *TINY])
@@ -74,7 +73,6 @@ def test_target_accuracy_sets_the_exit_status(tmp_path, capsys):
     assert f"; --target-acc 0.99 FAILED ({accuracy:.4f} < 0.99); saved in {tmp_path}: " in line
 
 
-@needs_data
 def test_compare_overlays_device_counts(tmp_path, capsys):
     code = cli.main(["compare", "--gpus", "1,2", "--output", str(tmp_path), "--data-dir",
                      cifar_dir(), *TINY])

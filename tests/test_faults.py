@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+pytestmark = pytest.mark.slow  # several processes or whole runs: not in the fast loop
+
 TRAIN = textwrap.dedent(
     r"""
     import os, sys, time
@@ -196,11 +198,9 @@ def test_a_step_that_never_finishes_ends_with_the_librarys_message():
     """A step whose collective never completes blocks inside XLA: after KERAS_MULTIGPU_TIMEOUT
     seconds the process says so and exits, instead of waiting in silence."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    start = time.monotonic()
     result = subprocess.run([sys.executable, "-c", STUCK], capture_output=True, text=True,
                             env=env, timeout=300)
     assert result.returncode == 1, result.stderr[-3000:]
     assert "FINISHED" not in result.stdout
     assert ("keras_multigpu: a training step has waited 3 s (KERAS_MULTIGPU_TIMEOUT=3) without "
             "finishing" in result.stderr), result.stderr[-3000:]
-    assert time.monotonic() - start < 120

@@ -13,6 +13,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # several processes or whole runs: not in the fast loop
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = os.path.join(REPO, "benchmarks", "gpu", "run.sh")
 ONLY = "fp32,matmul"

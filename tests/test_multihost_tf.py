@@ -20,8 +20,9 @@ import keras
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.skipif(keras.backend.backend() != "tensorflow",
-                                reason="runs in the TensorFlow stream")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(keras.backend.backend() != "tensorflow",
+                                 reason="runs in the TensorFlow stream")]
 
 PROGRAM = """
 import json, os, sys
@@ -204,12 +205,10 @@ def test_a_worker_that_never_joins_is_an_error(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(PROGRAM))
     ports = _ports(2)
-    started = time.monotonic()
     process = _start(script, tmp_path / "worker0", 2, TF_CONFIG=_tf_config(ports, 0),
                      KERAS_MULTIGPU_TIMEOUT="5")
     (output,) = _finish([process], timeout=90)
     assert process.returncode != 0
-    assert time.monotonic() - started < 90
     assert "could not join the others within KERAS_MULTIGPU_TIMEOUT=5 s" in output, output[-4000:]
     assert f"worker 1 (127.0.0.1:{ports[1]})" in output
 

@@ -379,6 +379,7 @@ print("finished")
 """
 
 
+@pytest.mark.slow  # a process of its own, on one core
 def test_a_conv_fit_on_one_core_finishes():
     """2 virtual CPU devices on one core: with the arrays gathered on the devices, this fit
     froze in XLA (every time, in its 2nd or 3rd epoch); batched on the host, it finishes."""

@@ -20,6 +20,8 @@ import pytest
 
 import keras_multigpu as kmg
 
+pytestmark = pytest.mark.slow  # several processes or whole runs: not in the fast loop
+
 PROGRAMS_DIR = os.path.join(os.path.dirname(__file__), "programs")
 PROGRAMS = sorted(
     name[:-3] for name in os.listdir(PROGRAMS_DIR) if name.startswith("p") and name.endswith(".py")
