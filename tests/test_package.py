@@ -134,3 +134,50 @@ def test_devices_and_launch_work_without_a_framework(tmp_path):
     assert len(needs) == 1, result.stdout
     assert "keras_multigpu.multi_gpu_model needs Keras with a backend" in needs[0]
     assert 'pip install "keras-multigpu[jax]"' in needs[0]
+
+
+def test_keras_internals_are_imported_in_one_place():
+    """Every `keras.src` import of the library is in `keras_multigpu/_keras/`, where each
+    internal it relies on is checked at import."""
+    package = os.path.join(ROOT, "src", "keras_multigpu")
+    outside = []
+    for folder, _, names in os.walk(package):
+        if os.path.basename(folder) == "_keras":
+            continue
+        for name in names:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                with open(path) as f:
+                    outside += [f"{os.path.relpath(path, ROOT)}:{number}"
+                                for number, line in enumerate(f, 1)
+                                if "keras.src" in line and not line.lstrip().startswith("#")]
+    assert outside == []
+
+
+@pytest.mark.parametrize("backend, module, name", [
+    ("jax", "keras.src.losses.loss", "reduce_values"),
+    ("jax", "keras.src.trainers.data_adapters", "get_data_adapter"),
+    ("torch", "keras.src.backend.torch.random", "dropout"),
+])
+def test_a_keras_that_moved_an_internal_is_named_at_import(backend, module, name):
+    result = _python(f"""
+        import importlib, sys
+        import keras
+        owner = importlib.import_module({module!r})
+        delattr(owner, {name!r})  # as a Keras release that moved it would have it
+        try:
+            import keras_multigpu
+            from keras_multigpu import backends
+
+            backends.current()
+        except ImportError as error:
+            print(type(error).__name__, "|", error)
+    """, env={"KERAS_BACKEND": backend})
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = result.stdout.strip().splitlines()[-1]
+    assert line.startswith("KerasVersionError | keras-multigpu ("), line
+    import keras
+
+    assert (f"does not work with the installed Keras {keras.__version__}: it is tested on "
+            "keras>=3.15,<3.17" in line), line
+    assert f"{module}.{name}" in line, line

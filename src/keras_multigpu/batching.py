@@ -32,10 +32,11 @@ import warnings
 import keras
 import numpy as np
 from keras import tree
-from keras.src.trainers import data_adapters
-from keras.src.trainers.data_adapters import (
+
+from keras_multigpu._keras import (
     data_adapter,
     data_adapter_utils,
+    data_adapters,
     generator_data_adapter,
     py_dataset_adapter,
 )
@@ -562,8 +563,6 @@ class Feed(data_adapter.DataAdapter):
     def _output_signature(self, spec):
         """The TF signature of served batches: `serve` on two made-up batches (1 and 2
         rows) of `inner`'s spec, which draws nothing and reads no data."""
-        from keras.src.trainers.data_adapters import data_adapter_utils
-
         def made_up(rows):
             def leaf(s):
                 shape = [rows if d is None else d for d in s.shape.as_list()]

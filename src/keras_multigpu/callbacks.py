@@ -11,9 +11,9 @@ import zipfile
 
 import keras
 import numpy as np
-from keras.src.utils import io_utils
 
 from keras_multigpu import _io, batching
+from keras_multigpu._keras import global_state, io_utils, seed_generator
 
 
 class EpochStats(keras.callbacks.Callback):
@@ -113,8 +113,6 @@ def _seed_generators(model):
 
 
 def _global_seed_generator():
-    from keras.src.backend.common import global_state
-
     return global_state.get_global_attribute("global_seed_generator")
 
 
@@ -420,9 +418,7 @@ class Checkpoint(keras.callbacks.Callback):
             keras.random.SeedGenerator  # noqa: B018 (the global one exists once used)
             global_generator = _global_seed_generator()
             if global_generator is None:
-                from keras.src.random.seed_generator import global_seed_generator
-
-                global_generator = global_seed_generator()
+                global_generator = seed_generator.global_seed_generator()
             global_generator.state.assign(arrays["seed_global"])
         batching.set_generator_state(random, {"python": state["random"]["python"]})
         batching.set_generator_state(np.random, {"numpy": state["random"]["numpy"]})

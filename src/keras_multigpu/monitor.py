@@ -33,10 +33,10 @@ import threading
 import time
 
 import keras
-from keras.src.utils import io_utils
 
 from keras_multigpu import _extras, _io
 from keras_multigpu import nvml as nvml_lib
+from keras_multigpu._keras import io_utils
 from keras_multigpu.diagnosis import communication_estimate, per_step, verdict
 
 logger = logging.getLogger(__name__)

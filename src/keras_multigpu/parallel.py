@@ -24,11 +24,11 @@ import zipfile
 import keras
 import numpy as np
 from keras import tree
-from keras.src.utils import io_utils
 
 from keras_multigpu import backends, batching, interrupt
 from keras_multigpu import devices as devices_lib
 from keras_multigpu._io import atomic_path, unreadable
+from keras_multigpu._keras import io_utils
 
 
 def multi_gpu_model(model, gpus=None):

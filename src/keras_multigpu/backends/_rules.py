@@ -11,8 +11,8 @@ import functools
 import inspect
 
 import keras
-from keras.src.losses import loss as loss_module
-from keras.src.metrics import metric as metric_module
+
+from keras_multigpu._keras import loss_module, metric_module
 
 
 def metric_classes():

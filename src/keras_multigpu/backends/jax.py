@@ -50,12 +50,12 @@ import keras
 import numpy as np
 from jax._src import distributed as jax_distributed
 from jax._src import xla_bridge
-from keras.src.backend.jax import distribution_lib as keras_jax_distribution
-from keras.src.saving import saving_api
 
 from keras_multigpu import _xla, interrupt
 from keras_multigpu import devices as devices_lib
 from keras_multigpu._io import atomic_path
+from keras_multigpu._keras import saving_api
+from keras_multigpu._keras.jax import distribution_lib as keras_jax_distribution
 from keras_multigpu.backends import _rules as shared
 from keras_multigpu.backends._marker import tag, untag  # noqa: F401 (the seam's names)
 from keras_multigpu.devices import Device

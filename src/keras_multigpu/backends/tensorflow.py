@@ -60,22 +60,26 @@ import keras
 import numpy as np
 import tensorflow as tf
 from keras import tree
-from keras.src.backend.tensorflow import optimizer as tf_optimizer
-from keras.src.backend.tensorflow import random as tf_random
-from keras.src.backend.tensorflow import trainer as tf_trainer
-from keras.src.layers import layer as base_layer
-from keras.src.layers.normalization import batch_normalization
-from keras.src.losses import loss as loss_module
-from keras.src.metrics import reduction_metrics
-from keras.src.random import seed_generator
-from keras.src.saving import saving_api
-from keras.src.trainers import trainer as base_trainer
 from tensorflow.python.distribute import collective_all_reduce_strategy as tf_collective
 from tensorflow.python.distribute import multi_worker_util
 from tensorflow.python.distribute.cluster_resolver import tfconfig_cluster_resolver
 from tensorflow.python.eager import context as tf_context
 
+from keras_multigpu import _keras
 from keras_multigpu._io import atomic_path
+from keras_multigpu._keras import (
+    base_layer,
+    base_trainer,
+    batch_normalization,
+    loss_module,
+    reduction_metrics,
+    saving_api,
+    seed_generator,
+)
+from keras_multigpu._keras.tensorflow import DRAWS
+from keras_multigpu._keras.tensorflow import optimizer as tf_optimizer
+from keras_multigpu._keras.tensorflow import random as tf_random
+from keras_multigpu._keras.tensorflow import trainer as tf_trainer
 from keras_multigpu.backends import _rules as shared
 from keras_multigpu.devices import (
     CPU_DEVICES_ENV,
@@ -655,24 +659,24 @@ def _add_loss(original, self, loss):
     replica's step then summed the other replicas' losses with its own (the CTC example's
     loss came out 25 % too large on 2 devices).
     """
-    if keras.src.backend.in_stateless_scope():
+    if _keras.backend.in_stateless_scope():
         return original(self, loss)
     losses = tree.flatten(loss)
     for value in losses:
-        if not keras.src.backend.is_tensor(value):
+        if not _keras.backend.is_tensor(value):
             return original(self, loss)  # Keras's own error
     _replica.losses.setdefault(id(self), []).extend(losses)
     return None
 
 
 def _own_losses(original, self):
-    if keras.src.backend.in_stateless_scope():
+    if _keras.backend.in_stateless_scope():
         return original(self)
     return list(_replica.losses.get(id(self), ()))
 
 
 def _clear_losses(original, self):
-    if keras.src.backend.in_stateless_scope():
+    if _keras.backend.in_stateless_scope():
         return original(self)
     for layer in self._flatten_layers():
         _replica.losses.pop(id(layer), None)
@@ -826,7 +830,7 @@ def _global_result(original, self):
     here the state is all-reduced first, so the logs of every batch (the
     progress bar, `on_train_batch_end` callbacks) are one device's.
     """
-    if keras.src.backend.in_stateless_scope() or not self.variables:
+    if _keras.backend.in_stateless_scope() or not self.variables:
         return original(self)
     reductions = {"sum": tf.distribute.ReduceOp.SUM, "mean": tf.distribute.ReduceOp.MEAN}
     values = []
@@ -834,7 +838,7 @@ def _global_result(original, self):
         value = tf.convert_to_tensor(variable.value)
         reduction = reductions.get(getattr(variable, "aggregation", None))
         values.append(value if reduction is None else _all_reduce(value, reduction))
-    with keras.src.backend.StatelessScope(state_mapping=list(zip(self.variables, values))):
+    with _keras.backend.StatelessScope(state_mapping=list(zip(self.variables, values))):
         return original(self)
 
 
@@ -885,8 +889,7 @@ def _rules_table():
         (base_layer.Layer, "_clear_losses", _clear_losses),
         (reduction_metrics.Mean, "update_state", _mean_update),
         (batch_normalization.BatchNormalization, "_moments", _moments),
-        *((tf_random, name, _random) for name in ("normal", "uniform", "truncated_normal",
-                                                     "randint")),
+        *((tf_random, name, _random) for name in DRAWS),
         (tf_random, "dropout", _dropout),
         *((cls, "result", _global_result) for cls in shared.metric_classes()),
     ]

@@ -48,18 +48,21 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
 from keras import tree
-from keras.src.backend.torch import random as torch_random
-from keras.src.layers.normalization import batch_normalization
-from keras.src.losses import loss as loss_module
-from keras.src.metrics import reduction_metrics
-from keras.src.optimizers import base_optimizer
-from keras.src.random import seed_generator
-from keras.src.saving import saving_api
-from keras.src.trainers import trainer as base_trainer
 
+from keras_multigpu import _keras, interrupt
 from keras_multigpu import devices as devices_lib
-from keras_multigpu import interrupt
 from keras_multigpu._io import atomic_path
+from keras_multigpu._keras import (
+    base_optimizer,
+    base_trainer,
+    batch_normalization,
+    loss_module,
+    reduction_metrics,
+    saving_api,
+    seed_generator,
+)
+from keras_multigpu._keras.torch import DRAWS
+from keras_multigpu._keras.torch import random as torch_random
 from keras_multigpu.backends import _rules as shared
 from keras_multigpu.backends._marker import tag, untag  # noqa: F401 (the seam's names)
 from keras_multigpu.devices import Device, cpu_device_count
@@ -645,7 +648,7 @@ def _engine_active():
 
 def _global_result(original, self):
     """A metric's result across every process: its state is all-reduced first."""
-    if keras.src.backend.in_stateless_scope() or not self.variables:
+    if _keras.backend.in_stateless_scope() or not self.variables:
         return original(self)
     summed = [i for i, v in enumerate(self.variables)
               if getattr(v, "aggregation", None) in ("sum", "mean")]
@@ -656,7 +659,7 @@ def _global_result(original, self):
     world = dist.get_world_size()
     for i, value in zip(summed, reduced):
         values[i] = value / world if self.variables[i].aggregation == "mean" else value
-    with keras.src.backend.StatelessScope(state_mapping=list(zip(self.variables, values))):
+    with _keras.backend.StatelessScope(state_mapping=list(zip(self.variables, values))):
         return original(self)
 
 
@@ -697,8 +700,7 @@ def _rules_table():
         (base_trainer.Trainer, "_aggregate_additional_loss", _additional_loss, _weight),
         (reduction_metrics.Mean, "update_state", _mean_update, _weight),
         (batch_normalization.BatchNormalization, "_moments", _moments, _weight),
-        *((torch_random, name, _random, _weight)
-          for name in ("normal", "uniform", "truncated_normal", "randint")),
+        *((torch_random, name, _random, _weight) for name in DRAWS),
         (torch_random, "dropout", _dropout, _weight),
         *((cls, "result", _global_result, _engine_active) for cls in shared.metric_classes()),
     ]

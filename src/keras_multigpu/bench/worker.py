@@ -48,9 +48,9 @@ def compiled_step_seconds(model, x, y, repeats):
     this is what happens outside the step. JAX engines only.
     """
     import jax
-    from keras.src.backend.jax.trainer import _distribute_data
 
     from keras_multigpu import ParallelModel
+    from keras_multigpu._keras.jax import trainer as jax_trainer
 
     scope = contextlib.nullcontext()
     batch = (x, y)
@@ -58,7 +58,7 @@ def compiled_step_seconds(model, x, y, repeats):
         batch = model._pad_one(x, y)  # as its dataset would yield it
         scope = model._placed()
     with scope:
-        data = _distribute_data(batch)
+        data = jax_trainer._distribute_data(batch)
         state = model._get_jax_state(trainable_variables=True, non_trainable_variables=True,
                                      optimizer_variables=True, metrics_variables=True)
         for _ in range(2):  # warm-up (compiled already by fit; the cache is hit)

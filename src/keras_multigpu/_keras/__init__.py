@@ -1,0 +1,118 @@
+"""Keras's internals, in one place.
+
+Keras has no public hook for some of what the library does: the batch order comes from
+Keras's own data adapters; the TensorFlow and torch engines weigh Keras's loss and metric
+reductions per replica for the length of a call; every engine makes a direct
+`keras.saving.save_model` write on one process only. Every `keras.src` module the library
+uses is imported here (the engine-specific ones in `_keras/<engine>.py`), and every Keras
+attribute it calls privately or patches is named in a table beside the import.
+
+Each table is checked when its module is imported: where an attribute moved in a Keras
+release, the import raises one `KerasVersionError` naming the installed Keras, the range
+the library is tested on, and every missing attribute, instead of an AttributeError from
+deep inside `fit`.
+"""
+
+import importlib
+
+import keras
+
+# The range the library is tested on (pyproject.toml pins it): Keras 3.15.1, and Keras's
+# main branch of 2026-08-21, whose version string says 3.16.0 (../shared/keras-next).
+TESTED = ">=3.15,<3.17"
+
+
+class KerasVersionError(ImportError):
+    """The installed Keras lacks an internal the library relies on."""
+
+
+def load(table, where):
+    """Imports every module of `table` and checks its attributes.
+
+    Args:
+        table: `{module path: names}`, where a name may be dotted (`"Layer.add_loss"`).
+        where: what needs them, for the message (e.g. "the TensorFlow engine").
+
+    Returns:
+        The modules, in the table's order.
+
+    Raises:
+        KerasVersionError: naming every module or attribute not found.
+    """
+    modules, missing = [], []
+    for path, names in table.items():
+        try:
+            module = importlib.import_module(path)
+        except ImportError as error:
+            modules.append(None)
+            missing.append(f"{path} ({error})")
+            continue
+        modules.append(module)
+        for name in names:
+            owner = module
+            for part in name.split("."):
+                owner = getattr(owner, part, _MISSING)
+                if owner is _MISSING:
+                    missing.append(f"{path}.{name}")
+                    break
+    if missing:
+        raise KerasVersionError(
+            f"keras-multigpu ({where}) does not work with the installed Keras "
+            f"{keras.__version__}: it is tested on keras{TESTED}, and these Keras internals "
+            f"it relies on are not there: {', '.join(missing)}. Install a Keras in that "
+            f'range, e.g. pip install "keras{TESTED}".'
+        )
+    return modules
+
+
+_MISSING = object()
+
+# What every engine and the data path use. Patched for a call (see the engines' rule
+# tables): loss_module.{reduce_values, apply_mask, scale/unscale_loss_for_distribution},
+# Trainer._aggregate_additional_loss, Layer.{add_loss, _get_own_losses, _clear_losses},
+# Mean.update_state, BatchNormalization._moments, BaseOptimizer.apply, each Metric's
+# result; patched for the process: saving_api.{save_model, save_weights}.
+COMMON = {
+    "keras.src.backend": ("in_stateless_scope", "StatelessScope", "is_tensor"),
+    "keras.src.backend.common.global_state": ("get_global_attribute",),
+    "keras.src.layers.layer": ("Layer.add_loss", "Layer._get_own_losses",
+                               "Layer._clear_losses"),
+    "keras.src.layers.normalization.batch_normalization": ("BatchNormalization._moments",),
+    "keras.src.losses.loss": ("reduce_values", "apply_mask", "scale_loss_for_distribution",
+                              "unscale_loss_for_distribution",
+                              "squeeze_or_expand_to_same_rank"),
+    "keras.src.metrics.metric": ("Metric.result",),
+    "keras.src.metrics.reduction_metrics": ("Mean.update_state",),
+    "keras.src.optimizers.base_optimizer": ("BaseOptimizer.apply",),
+    "keras.src.random.seed_generator": ("SeedGenerator", "draw_seed",
+                                        "global_seed_generator"),
+    "keras.src.saving.saving_api": ("save_model", "save_weights"),
+    "keras.src.trainers.trainer": ("Trainer._aggregate_additional_loss",),
+    "keras.src.trainers.data_adapters": ("get_data_adapter",),
+    "keras.src.trainers.data_adapters.data_adapter": ("DataAdapter",),
+    "keras.src.trainers.data_adapters.data_adapter_utils": (
+        "class_weight_to_sample_weights", "get_tensor_spec"),
+    "keras.src.trainers.data_adapters.generator_data_adapter": ("GeneratorDataAdapter",),
+    "keras.src.trainers.data_adapters.py_dataset_adapter": ("PyDatasetAdapter",),
+    "keras.src.utils.io_utils": ("print_msg",),
+}
+
+(
+    backend,
+    global_state,
+    base_layer,
+    batch_normalization,
+    loss_module,
+    metric_module,
+    reduction_metrics,
+    base_optimizer,
+    seed_generator,
+    saving_api,
+    base_trainer,
+    data_adapters,
+    data_adapter,
+    data_adapter_utils,
+    generator_data_adapter,
+    py_dataset_adapter,
+    io_utils,
+) = load(COMMON, "its data path and engines")
