@@ -33,6 +33,15 @@ def _bn_model(seed=0):
     ])
 
 
+def _dense_model(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([
+        keras.Input((6,)),
+        keras.layers.Dense(8, activation="tanh"),
+        keras.layers.Dense(3, activation="softmax"),
+    ])
+
+
 def _data(rows=99, seed=0):
     rng = np.random.RandomState(seed)
     return rng.randn(rows, 6).astype("float32"), rng.randint(0, 3, rows)
@@ -75,15 +84,23 @@ def test_bn_model_equals_one_device(gpus, rows, batch_size):
 @pytest.mark.parametrize("reduction", ["mean_with_sample_weight", "sum"])
 def test_weighted_losses_with_a_device_left_without_rows(gpus, reduction):
     """10 rows in batches of 3: the last batch (1 row) leaves devices with none, and the
-    loss's own divisor (the sum of the sample weights) is the global batch's."""
+    loss's own divisor (the sum of the sample weights) is the global batch's.
+
+    The model has no BatchNorm: a summed loss through BatchNorm over batches of 3 and 1 rows
+    amplifies rounding past the tolerance on one device alone (on torch, the same rows
+    reordered within each batch moved a weight by 2.2 times the tolerance on this project's
+    Xeon CI machine; Keras's torch loss path keeps float32 rounding in float64 too).
+    BatchNorm with such batches is `test_bn_model_equals_one_device`'s."""
     weights = np.random.RandomState(1).uniform(0.5, 2.0, 10).astype("float32")
 
     def compile(target):
         target.compile(optimizer=keras.optimizers.SGD(0.1), loss=keras.losses.
                        SparseCategoricalCrossentropy(reduction=reduction))
 
-    _assert_same(_train(None, 10, 3, compile=compile, sample_weight=weights),
-                 _train(gpus, 10, 3, compile=compile, sample_weight=weights))
+    _assert_same(_train(None, 10, 3, build=_dense_model, compile=compile,
+                        sample_weight=weights),
+                 _train(gpus, 10, 3, build=_dense_model, compile=compile,
+                        sample_weight=weights))
 
 
 @pytest.mark.parametrize("gpus", [2, 3])
