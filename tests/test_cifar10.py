@@ -22,7 +22,7 @@ ROWS = 320  # images per batch file of the synthetic folder: 1,600 training, 320
 
 
 @pytest.fixture(scope="module")
-def shared(tmp_path_factory):
+def cifar(tmp_path_factory):
     """A CIFAR-10 folder in the dataset's own format (pickled batches of uint8 rows)."""
     return Path(synthetic_cifar(tmp_path_factory.mktemp("cifar"), rows=ROWS))
 
@@ -64,8 +64,8 @@ def _fake_folder(root, n=4):
     return folder
 
 
-def test_loads_a_folder(shared):
-    (x_train, y_train), (x_test, y_test) = load_cifar10(shared, download=False)
+def test_loads_a_folder(cifar):
+    (x_train, y_train), (x_test, y_test) = load_cifar10(cifar, download=False)
     assert x_train.shape == (5 * ROWS, 32, 32, 3) and x_test.shape == (ROWS, 32, 32, 3)
     assert x_train.dtype == np.uint8 and x_test.dtype == np.uint8
     assert y_train.shape == (5 * ROWS,) and y_test.shape == (ROWS,)
@@ -75,21 +75,21 @@ def test_loads_a_folder(shared):
     assert x_train.flags.c_contiguous and 50 < x_train.mean() < 200
 
 
-def test_channels_last_layout_matches_raw_rows(shared):
-    with open(shared / "data_batch_1", "rb") as f:
+def test_channels_last_layout_matches_raw_rows(cifar):
+    with open(cifar / "data_batch_1", "rb") as f:
         raw = pickle.load(f, encoding="bytes")
-    x, y = read_batch(shared / "data_batch_1")
+    x, y = read_batch(cifar / "data_batch_1")
     row = np.asarray(raw[b"data"][3])
     np.testing.assert_array_equal(x[3, :, :, 0].ravel(), row[:1024])  # red plane
     np.testing.assert_array_equal(x[3, :, :, 2].ravel(), row[2048:])  # blue plane
     assert list(y) == list(raw[b"labels"])
 
 
-def test_limit(shared):
-    (x_train, y_train), (x_test, y_test) = load_cifar10(shared, limit=1500, download=False)
+def test_limit(cifar):
+    (x_train, y_train), (x_test, y_test) = load_cifar10(cifar, limit=1500, download=False)
     assert x_train.shape == (1500, 32, 32, 3) and y_train.shape == (1500,)
     assert x_test.shape == (ROWS, 32, 32, 3)
-    (x_train, _), (x_test, y_test) = load_cifar10(shared, limit=7, download=False)
+    (x_train, _), (x_test, y_test) = load_cifar10(cifar, limit=7, download=False)
     assert len(x_train) == 7 and len(x_test) == 7 and len(y_test) == 7
 
 
@@ -181,11 +181,11 @@ def test_download_used_last_and_failure_reported(tmp_path, monkeypatch):
     assert find_cifar10() == extracted
 
 
-def test_truncated_file(tmp_path, shared):
+def test_truncated_file(tmp_path, cifar):
     folder = tmp_path / "cifar-10-batches-py"
     folder.mkdir()
     for name in BATCH_FILES:
-        shutil.copyfile(shared / name, folder / name)
+        shutil.copyfile(cifar / name, folder / name)
     target = folder / "data_batch_3"
     with open(target, "r+b") as f:
         f.truncate(os.path.getsize(target) // 2)

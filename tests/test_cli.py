@@ -205,6 +205,7 @@ def test_a_first_write_that_fails_leaves_no_empty_folder(tmp_path, capsys, monke
 # -- a whole run: overwrite, gpus=0, the closing line -----------------------------------
 
 
+@pytest.mark.slow  # a whole run
 def test_overwrite_replaces_a_run_and_the_closing_line_says_what_happened(tmp_path, capsys):
     (tmp_path / "history.json").write_text("{}")
     (tmp_path / "notes.txt").write_text("mine")
@@ -237,6 +238,7 @@ def _evaluate(path, limit):
                           verbose=0)
 
 
+@pytest.mark.slow  # a whole run
 def test_a_crash_keeps_the_epochs_done(tmp_path, monkeypatch):
     _fail_in_epoch(monkeypatch, 2, RuntimeError("the device fell over"))
     with pytest.raises(RuntimeError, match="the device fell over") as info:
@@ -256,6 +258,7 @@ def test_a_crash_keeps_the_epochs_done(tmp_path, monkeypatch):
     assert keras.config.dtype_policy().name == "float32"
 
 
+@pytest.mark.slow  # a whole run
 def test_ctrl_c_exits_130_naming_what_was_kept(tmp_path, capsys, monkeypatch):
     _fail_in_epoch(monkeypatch, 3, interrupt.Interrupted("Stopped by Ctrl-C"))
     assert _train(tmp_path / "run", "--gpus", "2", epochs=5) == 130
@@ -265,6 +268,7 @@ def test_ctrl_c_exits_130_naming_what_was_kept(tmp_path, capsys, monkeypatch):
     assert [e["epoch"] for e in _history(tmp_path / "run")["epochs"]] == [1, 2]
 
 
+@pytest.mark.slow  # a whole run's start: 13 s when first
 def test_ctrl_c_in_the_first_epoch_leaves_no_folder(tmp_path, capsys, monkeypatch):
     _fail_in_epoch(monkeypatch, 1, interrupt.Interrupted("Stopped by Ctrl-C"))
     assert _train(tmp_path / "run", "--gpus", "1") == 130

@@ -42,6 +42,7 @@ def test_architecture(model):
     assert model.layers[-5].output.shape == (None, 1, 1, 336)  # after 7x7 pooling
 
 
+@pytest.mark.slow  # two more models built: 15 s
 def test_width_and_classes():
     small = mini_googlenet(width=0.25, num_classes=7, dropout=0.0)
     assert small.output_shape == (None, 7)

@@ -461,8 +461,9 @@ def test_compiling_the_template_after_wrapping_is_seen():
     assert_weights_close(weights, p_weights)
 
 
-@pytest.mark.parametrize("mode", [pytest.param({"run_eagerly": True}, marks=pytest.mark.slow),
-                                  {"jit_compile": False}], ids=["run_eagerly", "no-jit"])
+@pytest.mark.slow  # uncompiled steps: 15 s and more
+@pytest.mark.parametrize("mode", [{"run_eagerly": True}, {"jit_compile": False}],
+                         ids=["run_eagerly", "no-jit"])
 def test_uncompiled_steps_equal_one_device(mode):
     x, y = classification_data(29)
 
