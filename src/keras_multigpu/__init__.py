@@ -33,7 +33,7 @@ __all__ = [
 
 try:
     import keras as _keras  # noqa: F401 - fails when Keras's backend is not installed
-except ImportError as _error:
+except Exception as _error:  # ImportError, or what a broken framework install raises
     # `keras-multigpu devices` and `launch` work without a framework; the rest needs one,
     # and says so in one line when it is first used.
     _KERAS_ERROR = _error
