@@ -192,3 +192,30 @@ def test_a_keras_that_moved_an_internal_is_named_at_import(backend, module, name
     assert (f"does not work with the installed Keras {keras.__version__}: it is tested on "
             "keras>=3.15,<3.17" in line), line
     assert f"{module}.{name}" in line, line
+
+
+def test_devices_and_launch_work_with_a_keras_outside_the_tested_range(tmp_path):
+    """The CLI's `devices` and `launch` need no framework: a Keras that moved an internal is
+    named when the library's training API is first used, not at `import keras_multigpu`."""
+    script = tmp_path / "hello.py"
+    script.write_text("import os\nprint('rank', os.environ['RANK'])\n")
+    result = _python(f"""
+        import sys
+        import keras.src.utils.io_utils as moved
+        del moved.print_msg  # as a Keras release that moved it would have it
+        import keras_multigpu
+        from keras_multigpu.cli import main
+        assert main(["devices"]) == 0
+        code = main(["launch", "-n", "2", {str(script)!r}])
+        try:
+            keras_multigpu.multi_gpu_model
+        except ImportError as error:
+            print("needs:", type(error).__name__, error)
+        sys.exit(code)
+    """, env={"KERAS_BACKEND": "jax"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "rank 0" in result.stdout and "rank 1" in result.stdout
+    needs = [line for line in result.stdout.splitlines() if line.startswith("needs:")]
+    assert len(needs) == 1 and needs[0].startswith("needs: KerasVersionError "), result.stdout
+    assert "keras.src.utils.io_utils.print_msg" in needs[0]
+

@@ -31,22 +31,31 @@ __all__ = [
     "__version__",
 ]
 
+_FRAMEWORK_ERROR = None
 try:
     import keras as _keras  # noqa: F401 - fails when Keras's backend is not installed
 except Exception as _error:  # ImportError, or what a broken framework install raises
-    # `keras-multigpu devices` and `launch` work without a framework; the rest needs one,
-    # and says so in one line when it is first used.
-    _KERAS_ERROR = _error
+    _FRAMEWORK_ERROR = _error
+else:
+    try:
+        from keras_multigpu import backends as _backends
+        from keras_multigpu import callbacks, schedules
+        from keras_multigpu.parallel import ParallelModel, multi_gpu_model
+    except ImportError as _error:
+        if type(_error).__name__ != "KerasVersionError":
+            raise
+        _FRAMEWORK_ERROR = _error  # a Keras outside the tested range: said on first use
 
+if _FRAMEWORK_ERROR is not None:
+    # `keras-multigpu devices` and `launch` work without a usable framework; the rest
+    # needs one, and says why in one line when it is first used.
     def __getattr__(name):
         if name in __all__:
-            raise _extras.no_framework(_KERAS_ERROR, f"keras_multigpu.{name}")
+            if type(_FRAMEWORK_ERROR).__name__ == "KerasVersionError":
+                raise _FRAMEWORK_ERROR
+            raise _extras.no_framework(_FRAMEWORK_ERROR, f"keras_multigpu.{name}")
         raise AttributeError(f"module 'keras_multigpu' has no attribute {name!r}")
 else:
-    from keras_multigpu import backends as _backends
-    from keras_multigpu import callbacks, schedules
-    from keras_multigpu.parallel import ParallelModel, multi_gpu_model
-
     if "LOCAL_RANK" in _os.environ or "TF_CONFIG" in _os.environ:
         # Started by `keras-multigpu launch` (or torchrun), or as one of several TensorFlow
         # workers: the engine picks this process's device, or joins the other workers,

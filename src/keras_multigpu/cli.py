@@ -520,9 +520,15 @@ def cmd_launch(args):
 
 
 def _configured_backend():
-    """The backend named in Keras's own config file (`$KERAS_HOME/keras.json`, else
-    `~/.keras/keras.json`), read without importing Keras; None when it names none."""
-    home = os.environ.get("KERAS_HOME") or os.path.join(os.path.expanduser("~"), ".keras")
+    """The backend named in Keras's own config file, found as Keras finds it
+    (`$KERAS_HOME/keras.json`, else `~/.keras/keras.json`, else `/tmp/.keras/keras.json`
+    where the home folder is not writable), read without importing Keras; None when it
+    names none."""
+    if "KERAS_HOME" in os.environ:
+        home = os.environ["KERAS_HOME"]
+    else:
+        base = os.path.expanduser("~")
+        home = os.path.join(base if os.access(base, os.W_OK) else "/tmp", ".keras")
     try:
         with open(os.path.join(home, "keras.json")) as f:
             backend = json.load(f).get("backend")
