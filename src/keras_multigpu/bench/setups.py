@@ -5,6 +5,7 @@ process needs. Its `train` function receives a model builder and the data,
 and returns a fitted Keras model: adding a configuration is a few lines here.
 """
 
+import atexit
 import dataclasses
 import os
 
@@ -157,6 +158,9 @@ class _DDPTrainer:
 
         if not dist.is_initialized():
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+            # Left to the interpreter's exit, gloo's threads once ended the worker with
+            # "terminate called without an active exception" after its results were out.
+            atexit.register(dist.destroy_process_group)
         self.model = model
         self.device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}"
                                    if torch.cuda.is_available() else "cpu")
