@@ -41,9 +41,7 @@ else:
         from keras_multigpu import backends as _backends
         from keras_multigpu import callbacks, schedules
         from keras_multigpu.parallel import ParallelModel, multi_gpu_model
-    except ImportError as _error:
-        if type(_error).__name__ != "KerasVersionError":
-            raise
+    except _extras.KerasVersionError as _error:
         _FRAMEWORK_ERROR = _error  # a Keras outside the tested range: said on first use
 
 if _FRAMEWORK_ERROR is not None:
@@ -51,7 +49,7 @@ if _FRAMEWORK_ERROR is not None:
     # needs one, and says why in one line when it is first used.
     def __getattr__(name):
         if name in __all__:
-            if type(_FRAMEWORK_ERROR).__name__ == "KerasVersionError":
+            if isinstance(_FRAMEWORK_ERROR, _extras.KerasVersionError):
                 raise _FRAMEWORK_ERROR
             raise _extras.no_framework(_FRAMEWORK_ERROR, f"keras_multigpu.{name}")
         raise AttributeError(f"module 'keras_multigpu' has no attribute {name!r}")

@@ -12,6 +12,10 @@ class MissingExtra(ImportError):
     """An optional dependency is not installed; the message names the extra to install."""
 
 
+class KerasVersionError(ImportError):
+    """The installed Keras lacks an internal the library relies on (see `_keras`)."""
+
+
 def require(module, extra, what):
     """Imports and returns `module`, or raises `MissingExtra` naming `extra`.
 

@@ -17,13 +17,11 @@ import importlib
 
 import keras
 
+from keras_multigpu._extras import KerasVersionError
+
 # The range the library is tested on (pyproject.toml pins it): Keras 3.15.1, and Keras's
 # main branch of 2026-08-21, whose version string says 3.16.0 (../shared/keras-next).
 TESTED = ">=3.15,<3.17"
-
-
-class KerasVersionError(ImportError):
-    """The installed Keras lacks an internal the library relies on."""
 
 
 def load(table, where):
