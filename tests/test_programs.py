@@ -226,9 +226,8 @@ def _floatx(dtype):
 
 
 # The torch engine runs each device count in its own processes (conftest forks them per
-# `gpus`): 2 processes here (3 are in tests/test_engines.py and tests/test_launch.py, which
-# share CI's time with this); the other engines run 2 and 3 devices in one test.
-GPUS = [2] if keras.backend.backend() == "torch" else [None]
+# `gpus`), 2 and then 3; the other engines run 2 and 3 devices in one test.
+GPUS = [2, 3] if keras.backend.backend() == "torch" else [None]
 
 
 @pytest.mark.parametrize("gpus", GPUS, ids=lambda g: "2-and-3" if g is None else f"{g}")
