@@ -8,6 +8,10 @@
 # processes of their own: the launcher's across machines (tests/test_multihost.py) and
 # the benchmark harness's (tests/test_bench.py). The two streams share the cores; each
 # one's output is printed when it ends.
+# When the JAX stream ends, the exactness tests (the rules, the engine contract,
+# shuffling and the semantics) run again on the next Keras (../shared/keras-next, Keras's
+# main branch as a wheel), on JAX and then on torch: the wheel is laid over the
+# environment's Keras through PYTHONPATH, so nothing else changes.
 # pytest exits non-zero when a test fails and 5 when no test ran; either fails
 # this script.
 set -euo pipefail
@@ -21,21 +25,39 @@ trap 'rm -rf "$logs"' EXIT
 # processes (each with its own backend): they run after torch's engine tests, which
 # balances the two streams. --durations: the slowest tests, to keep the whole under 30 min.
 launcher="tests/test_multihost.py tests/test_bench.py"
-KERAS_BACKEND=jax .venv/bin/python -m pytest -q -p no:cacheprovider \
-    --ignore=tests/test_multihost.py --ignore=tests/test_multihost_tf.py \
-    --ignore=tests/test_bench.py --durations=15 "$@" \
-    > "$logs/jax" 2>&1 &
+next_wheel=$(ls ../shared/keras-next/keras-*.whl 2>/dev/null | head -1 || true)
+jax_stream() {
+  local status=0 backend
+  KERAS_BACKEND=jax .venv/bin/python -m pytest -q -p no:cacheprovider \
+      --ignore=tests/test_multihost.py --ignore=tests/test_multihost_tf.py \
+      --ignore=tests/test_bench.py --durations=15 "$@" || status=1
+  if [ -z "$next_wheel" ]; then
+    echo "== the next Keras: no wheel at ../shared/keras-next; its exactness tests did not run"
+    return $status
+  fi
+  .venv/bin/python -m pip install -q --no-deps --target "$logs/keras-next" "$next_wheel"
+  for backend in jax torch; do
+    echo "== the next Keras ($(basename "$next_wheel")), KERAS_BACKEND=$backend"
+    PYTHONPATH="$logs/keras-next" KERAS_BACKEND=$backend .venv/bin/python -m pytest -q \
+        -p no:cacheprovider tests/test_rules.py tests/test_engines.py \
+        $([ "$backend" = jax ] && echo tests/test_batching.py tests/test_semantics.py) \
+        || status=1
+  done
+  return $status
+}
+jax_stream "$@" > "$logs/jax" 2>&1 &
 jax=$!
 status=0
 for backend in tensorflow torch; do
   # TensorFlow's workers join at import, before its runtime starts: their test runs there.
   extra=$([ "$backend" = tensorflow ] && echo tests/test_multihost_tf.py || echo "$launcher")
   KERAS_BACKEND=$backend .venv/bin/python -m pytest -q -p no:cacheprovider --durations=10 \
-      tests/test_engines.py tests/test_programs.py $extra > "$logs/$backend" 2>&1 || status=1
-  echo "== KERAS_BACKEND=$backend: tests/test_engines.py tests/test_programs.py $extra"
+      tests/test_rules.py tests/test_engines.py tests/test_programs.py $extra \
+      > "$logs/$backend" 2>&1 || status=1
+  echo "== KERAS_BACKEND=$backend: tests/test_rules.py tests/test_engines.py tests/test_programs.py $extra"
   cat "$logs/$backend"
 done
 wait "$jax" || status=1
-echo "== KERAS_BACKEND=jax: the rest of the suite"
+echo "== KERAS_BACKEND=jax: the rest of the suite, then the next Keras"
 cat "$logs/jax"
 exit "$status"

@@ -51,12 +51,11 @@ import numpy as np
 from jax._src import distributed as jax_distributed
 from jax._src import xla_bridge
 
-from keras_multigpu import _xla, interrupt
+from keras_multigpu import _xla, interrupt, rules
 from keras_multigpu import devices as devices_lib
 from keras_multigpu._io import atomic_path
 from keras_multigpu._keras import saving_api
 from keras_multigpu._keras.jax import distribution_lib as keras_jax_distribution
-from keras_multigpu.backends import _rules as shared
 from keras_multigpu.backends._marker import tag, untag  # noqa: F401 (the seam's names)
 from keras_multigpu.devices import Device
 
@@ -588,14 +587,14 @@ def scope(distribution):
         if jax.process_count() == 1:
             yield
             return
-        with shared.installed((
+        with rules.installed((
             (keras_jax_distribution, "distribute_data_input", _distribute_data_input, _always),
             (keras_jax_distribution, "distribute_tensor", _distribute_tensor, _always),
         )):
             yield
 
 
-def _distribute_data_input(original, per_process_batch, layout, batch_dim_name=None):
+def _distribute_data_input(_, original, per_process_batch, layout, batch_dim_name=None):
     """Keras's `distribute_data_input` (`original`) as a rule, with several processes:
     the value is the global batch, the same on every process."""
     if isinstance(layout, keras.distribution.TensorLayout):
@@ -605,7 +604,7 @@ def _distribute_data_input(original, per_process_batch, layout, batch_dim_name=N
     return _global(per_process_batch, layout)
 
 
-def _distribute_tensor(original, tensor, layout):
+def _distribute_tensor(_, original, tensor, layout):
     """Keras's `distribute_tensor` (`original`) as a rule, with several processes: a
     value (a new variable's, an assignment's) is placed without a collective.
 

@@ -3,25 +3,19 @@
 Each replica runs the model's own step on its part of the global batch, and
 the strategy all-reduces (NCCL on GPUs; on CPU devices, through one device).
 A replica sees only its rows, so exactness cannot come from a global view.
-It comes from one rule, kept by every reduction a step makes:
+It comes from `keras_multigpu.rules`, installed for the length of a call with the
+replica context's all-reduce (the torch engine keeps the same rules):
 
     one device's value = sum over replicas r of (k_r / n) * value_r
 
-where k_r is replica r's real rows and n the global batch's. A replica's
-value is what one device would compute on its k_r rows (a mean over them),
-so the weighted sum is the mean over all n rows. Inside `run_step`:
+where k_r is replica r's real rows and n the global batch's. Here, beside them:
 
-- gradients are all-reduced with the weights k_r / n, once, before the
-  optimizer clips, accumulates or applies them (Keras's own sum is then
+- gradients are weighed (`rules.weigh`, kept sparse where they are) and all-reduced once,
+  before the optimizer clips, accumulates or applies them (Keras's own sum is then
   skipped), so a custom `train_step` with its own mean loss is exact;
-- Keras's 1/R loss scaling is off (the weights replace it); losses that
-  are not plain means (`reduction="sum"`, masks, `mean_with_sample_weight`)
-  are rescaled so that the rule holds for them too;
-- a scalar `Mean` metric update without a weight (the loss trackers of a
-  custom step, per-output losses) is weighted by k_r / n;
-- BatchNormalization's moments are the global batch's: sums over the real
-  rows of every replica, all-reduced (masks included);
-- per-row metrics need nothing: their sums are all-reduced as Keras's are.
+- Keras's 1/R loss scaling is off (the weights replace it);
+- each replica keeps its own `add_loss` values (Keras keeps them in a list on the layer,
+  which every replica's thread shares).
 
 A padded batch travels with one marker row per row (`tag`): whether the row
 is real, and n. Real rows are dealt to replicas in contiguous runs that
@@ -65,22 +59,17 @@ from tensorflow.python.distribute import multi_worker_util
 from tensorflow.python.distribute.cluster_resolver import tfconfig_cluster_resolver
 from tensorflow.python.eager import context as tf_context
 
-from keras_multigpu import _keras
+from keras_multigpu import _keras, rules
 from keras_multigpu._io import atomic_path
 from keras_multigpu._keras import (
     base_layer,
-    base_trainer,
-    batch_normalization,
     loss_module,
-    reduction_metrics,
     saving_api,
-    seed_generator,
 )
 from keras_multigpu._keras.tensorflow import DRAWS
 from keras_multigpu._keras.tensorflow import optimizer as tf_optimizer
 from keras_multigpu._keras.tensorflow import random as tf_random
 from keras_multigpu._keras.tensorflow import trainer as tf_trainer
-from keras_multigpu.backends import _rules as shared
 from keras_multigpu.devices import (
     CPU_DEVICES_ENV,
     TIMEOUT_ENV,
@@ -90,7 +79,7 @@ from keras_multigpu.devices import (
     refuse_several_processes,
 )
 
-# Inside a replica's step: `counts`, (k, n, start) as int32 tensors; None elsewhere.
+# Inside a replica's step: `state`, its `rules.Replica` (k, n, start as int32 tensors).
 _replica = threading.local()
 
 
@@ -426,13 +415,14 @@ def run_step(step, data, rows_out=False):
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1 and not _tagged(_unwrap(data)):
         return step(untag(data))
-    previous = getattr(_replica, "counts", None), getattr(_replica, "losses", None)
-    _replica.counts = _counts(data)
+    previous = getattr(_replica, "state", None), getattr(_replica, "losses", None)
+    _replica.state = rules.Replica(*_counts(data), replicas=context.num_replicas_in_sync,
+                                   all_reduce=_sum, traced=True)
     _replica.losses = {}  # this replica's `add_loss` values (see `_add_loss`)
     try:
         return step(untag(data))
     finally:
-        _replica.counts, _replica.losses = previous
+        _replica.state, _replica.losses = previous
 
 
 def watch(function, distribution, what):
@@ -495,13 +485,12 @@ def all_gather_object(value):
 # -- the rules, in force inside `scope` ---------------------------------
 
 
-def _weight(dtype="float32"):
-    """k / n of this replica's step, computed in `dtype`, or None outside one."""
-    counts = getattr(_replica, "counts", None)
-    if counts is None or tf.distribute.get_replica_context() is None:
+def _step():
+    """This replica's `rules.Replica` inside a step run by `run_step`, else None."""
+    state = getattr(_replica, "state", None)
+    if state is None or tf.distribute.get_replica_context() is None:
         return None
-    k, n, _ = counts
-    return tf.math.divide_no_nan(tf.cast(k, dtype), tf.cast(n, dtype))
+    return state
 
 
 def _placed(value):
@@ -524,14 +513,17 @@ def _all_reduce(values, reduction=tf.distribute.ReduceOp.SUM):
         reduction, tf.nest.map_structure(_placed, values))
 
 
-def _weighed(gradient):
-    """`gradient * k / n` (in its dtype), 0 where the replica had no rows (its mean may be
-    NaN there)."""
-    if isinstance(gradient, tf.IndexedSlices):  # kept sparse, as one device's is
-        return tf.IndexedSlices(_weighed(gradient.values), gradient.indices,
+def _sum(values, what):
+    """Sums `values` across replicas (`rules.Replica.all_reduce`)."""
+    return list(_all_reduce(list(values)))
+
+
+def _weighed(replica, gradient):
+    """`rules.weigh`, kept sparse where the gradient is, as one device's is."""
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(_weighed(replica, gradient.values), gradient.indices,
                                 gradient.dense_shape)
-    weight = _weight(gradient.dtype)
-    return tf.where(weight > 0, gradient * weight, tf.zeros_like(gradient))
+    return rules.weigh(replica, gradient)
 
 
 def _fixed_rows(gradient):
@@ -559,7 +551,7 @@ def _unsummable(gradient, reduced):
     return reduced
 
 
-def _apply(original, self, grads, trainable_variables=None):
+def _apply(replica, original, self, grads, trainable_variables=None):
     """Weighted all-reduce of the gradients, then the optimizer's own apply.
 
     An optimizer first used inside the step (a GAN's `d_optimizer`, built by its first
@@ -570,7 +562,7 @@ def _apply(original, self, grads, trainable_variables=None):
     if not self.built and trainable_variables is not None:
         with tf.init_scope(), keras.name_scope(self.name, caller=self):
             self.build(list(trainable_variables))
-    present = [_summable(_weighed(g)) for g in grads if g is not None]
+    present = [_summable(_weighed(replica, g)) for g in grads if g is not None]
     if present:
         reduced = iter(_all_reduce(present))
         grads = [None if g is None else _unsummable(g, next(reduced)) for g in grads]
@@ -581,7 +573,7 @@ def _apply(original, self, grads, trainable_variables=None):
         _replica.reduced = False
 
 
-def _apply_gradients(original, self, grads, trainable_variables):
+def _apply_gradients(replica, original, self, grads, trainable_variables):
     """Keras's apply, once, across replicas, where it chooses with `ops.cond`.
 
     Gradient accumulation (and an EMA overwrite frequency) pick between
@@ -613,46 +605,17 @@ def _apply_gradients(original, self, grads, trainable_variables):
     tf.distribute.get_replica_context().merge_call(across, args=tuple(grads))
 
 
-def _all_reduce_sum(original, self, grads_and_vars):
+def _all_reduce_sum(replica, original, self, grads_and_vars):
     if getattr(_replica, "reduced", False):
         return grads_and_vars  # reduced, with the weights, in `_apply`
     return original(self, grads_and_vars)
 
 
-def _scale(original, value):
+def _scale(replica, original, value):
     return value  # the weights k/n replace Keras's 1/R
 
 
-def _share(dtype):
-    """n / k: turns this replica's part of a sum into the term the rule weighs."""
-    k, n, _ = _replica.counts
-    return tf.math.divide_no_nan(tf.cast(n, dtype), tf.cast(tf.maximum(k, 1), dtype))
-
-
-def _reduce_values(original, values, sample_weight=None, reduction="sum_over_batch_size"):
-    if (reduction is None or reduction == "none" or tuple(values.shape) == ()
-            or tuple(values.shape) == (0,)):
-        return original(values, sample_weight, reduction)
-    total = keras.ops.sum(values)
-    share = _share(total.dtype)
-    if reduction == "sum":
-        return total * share
-    if reduction == "mean_with_sample_weight" and sample_weight is not None:
-        divisor = _all_reduce(keras.ops.cast(keras.ops.sum(sample_weight), total.dtype))
-        return keras.ops.divide_no_nan(total, divisor) * share
-    if getattr(_replica, "masked", False):
-        # `_apply_mask` has already divided by the global count of valid entries.
-        _replica.masked = False
-        return total * share
-    size = keras.ops.cast(keras.ops.size(values), total.dtype)
-    return keras.ops.divide_no_nan(total, size)
-
-
-def _apply_mask(*args, **kwargs):
-    return shared.apply_mask(*args, **kwargs, all_reduce=_all_reduce, replica=_replica)
-
-
-def _add_loss(original, self, loss):
+def _add_loss(replica, original, self, loss):
     """Keras's `Layer.add_loss` as a rule: each replica keeps its own values.
 
     Keras keeps them in a list on the layer, which every replica's thread shares: a
@@ -669,13 +632,13 @@ def _add_loss(original, self, loss):
     return None
 
 
-def _own_losses(original, self):
+def _own_losses(replica, original, self):
     if _keras.backend.in_stateless_scope():
         return original(self)
     return list(_replica.losses.get(id(self), ()))
 
 
-def _clear_losses(original, self):
+def _clear_losses(replica, original, self):
     if _keras.backend.in_stateless_scope():
         return original(self)
     for layer in self._flatten_layers():
@@ -683,166 +646,7 @@ def _clear_losses(original, self):
     return None
 
 
-def _additional_loss(original, self, loss):
-    """Keras's sum of an `add_loss` value, as a rule: a value with a row per sample (Keras's
-    CTC example adds one) is summed over the batch, so this replica's part of the sum is
-    rescaled as `reduction="sum"` is. Scalars (means, regularisers) are weighed as means."""
-    total = original(self, loss)
-    k, _, _ = _replica.counts
-    # A replica without rows adds nothing (a mean over no rows is NaN).
-    total = tf.where(k > 0, total, tf.zeros_like(total))
-    if loss.shape.rank is None or loss.shape.rank == 0 or loss.shape[0] is not None:
-        return total  # a static first dimension is not this step's rows
-    return tf.where(tf.equal(tf.shape(loss)[0], k), total * _share(total.dtype), total)
-
-
-def _mean_update(original, self, values, sample_weight=None):
-    values = tf.convert_to_tensor(values)
-    if values.shape.rank == 0:
-        # A replica without rows weighs nothing: its value (a mean over no rows: NaN) too.
-        weight = _weight(values.dtype)
-        values = tf.where(weight > 0, values, tf.zeros_like(values))
-        if sample_weight is None:
-            sample_weight = weight
-    return original(self, values, sample_weight=sample_weight)
-
-
-def _weighted_sum(value):
-    """All-reduce (SUM) of `value` whose gradient keeps the rule.
-
-    Each replica's gradient is weighed by k_r / n after its backward pass
-    (`_apply`), but a gradient that crosses replicas here comes from every
-    replica's loss: the upstream gradients are weighed by their own k_s / n
-    before the reduction, and divided by this replica's weight, which the
-    later weighing restores.
-    """
-    k, n, _ = _replica.counts
-
-    @tf.custom_gradient
-    def reduce(value):
-        def grad(upstream):
-            w = tf.math.divide_no_nan(tf.cast(k, upstream.dtype), tf.cast(n, upstream.dtype))
-            return tf.math.divide_no_nan(_all_reduce(upstream * w), w)
-
-        return _all_reduce(value), grad
-
-    return reduce(value)
-
-
-def _moments(original, self, inputs, mask):
-    """BatchNormalization's moments over the real rows of every replica (Keras's formulas)."""
-    x = tf.cast(inputs, "float32") if inputs.dtype in (tf.float16, tf.bfloat16) else inputs
-    axes = list(self._reduction_axes)
-    if mask is None and 0 in axes:
-        # Every entry counts: n rows times the other reduced dimensions, known without an
-        # all-reduce, and no weights to multiply by (x * 1 is x: the same sums).
-        _, n, _ = _replica.counts
-        others = tf.gather(tf.shape(x), tf.constant([a for a in axes if a != 0], "int32"))
-        count = tf.cast(n, x.dtype) * tf.cast(tf.reduce_prod(others), x.dtype)
-        mean = tf.math.divide_no_nan(_weighted_sum(tf.reduce_sum(x, axes, keepdims=True)), count)
-        centred = x - mean
-    else:
-        if mask is None:
-            weights, epsilon = tf.ones_like(x), 0.0
-        else:
-            weights = tf.broadcast_to(tf.cast(tf.expand_dims(mask, -1), x.dtype), tf.shape(x))
-            epsilon = keras.backend.epsilon()
-        total = _weighted_sum(tf.reduce_sum(x * weights, axes, keepdims=True))
-        count = _weighted_sum(tf.reduce_sum(weights, axes, keepdims=True)) + epsilon
-        mean = tf.math.divide_no_nan(total, count)
-        centred = (x - mean) * weights
-    squares = _weighted_sum(tf.reduce_sum(tf.square(centred), axes, keepdims=True))
-    variance = tf.math.divide_no_nan(squares, count)
-    mean, variance = tf.squeeze(mean, axes), tf.squeeze(variance, axes)
-    return tf.cast(mean, inputs.dtype), tf.cast(variance, inputs.dtype)
-
-
-class _Drawn(seed_generator.SeedGenerator):
-    """A seed already drawn, handed to Keras's draw functions as a generator would be.
-
-    Both branches of `_batch_draw`'s condition then use one draw, so the
-    layer's generator moves on once per call, as on one device.
-    """
-
-    def __init__(self, value):  # no state variable: `next` only returns `value`
-        self.value = value
-
-    def next(self, ordered=True):
-        return self.value
-
-
-def _batch_draw(draw, shape, seed):
-    """`draw(shape, seed)`, where a first dimension of whole multiples of the replica's rows is
-    the batch's.
-
-    Such a draw is made for the global batch and this replica's rows are taken from it,
-    so that every row gets the numbers it gets on one device (a replica drawing for its
-    own rows alone would give each replica the first rows' numbers). A first dimension of
-    c times the rows is c blocks of them, as one device's draw for c times its rows holds
-    them (a GAN's noise for its real and generated rows, concatenated): this replica's
-    rows of each block are taken. Other draws are the replica's own: their shape does not
-    depend on the batch, and each replica draws what one device does.
-    """
-    if isinstance(shape, tf.TensorShape):
-        shape = shape.as_list()
-    if not tf.is_tensor(shape) and (not shape or not tf.is_tensor(shape[0])):
-        return draw(shape, seed)  # a static first dimension is not this step's rows
-    seed = _Drawn(seed_generator.draw_seed(seed))
-    k, n, start = _replica.counts
-    rows = tf.cast(shape[0], "int32")
-    rest = tf.cast(shape[1:], "int32") if tf.is_tensor(shape) else [
-        tf.cast(d, "int32") for d in shape[1:]]
-    blocks = tf.math.floordiv(rows, tf.maximum(k, 1))
-
-    def global_rows():
-        drawn = draw(tf.concat([(blocks * n)[None], rest], 0) if tf.is_tensor(shape)
-                     else [blocks * n, *rest], seed)
-        mine = tf.reshape(tf.range(blocks)[:, None] * n + start + tf.range(k)[None, :], [-1])
-        return tf.gather(drawn, mine)
-
-    batch_shaped = tf.logical_and(k > 0, tf.equal(rows, blocks * k))
-    return tf.cond(tf.logical_and(batch_shaped, blocks > 0), global_rows,
-                   lambda: draw(shape, seed))
-
-
-def _random(*args, **kwargs):
-    return shared.random_draw(*args, **kwargs, batch_draw=_batch_draw)
-
-
-def _dropout(original, inputs, rate, noise_shape=None, seed=None):
-    """Keras's dropout with its mask drawn by `_batch_draw` (exactly: `x * (1 * scale)`)."""
-    if isinstance(rate, (int, float)) and rate in (0.0, 1.0):
-        return original(inputs, rate, noise_shape, seed)
-    concrete = tf_random._get_concrete_noise_shape(inputs, noise_shape)
-    mask = _batch_draw(
-        lambda shape, seed: original(tf.ones(shape, inputs.dtype), rate, seed=seed),
-        concrete, seed,
-    )
-    return inputs * mask
-
-
-def _global_result(original, self):
-    """A metric's result inside a replica's step: the global batch's so far.
-
-    Each replica holds its own part of every metric's state (summed across
-    replicas when read outside them, for the epoch's logs). Read inside, as
-    a step's returned logs are, the result would be that replica's alone:
-    here the state is all-reduced first, so the logs of every batch (the
-    progress bar, `on_train_batch_end` callbacks) are one device's.
-    """
-    if _keras.backend.in_stateless_scope() or not self.variables:
-        return original(self)
-    reductions = {"sum": tf.distribute.ReduceOp.SUM, "mean": tf.distribute.ReduceOp.MEAN}
-    values = []
-    for variable in self.variables:
-        value = tf.convert_to_tensor(variable.value)
-        reduction = reductions.get(getattr(variable, "aggregation", None))
-        values.append(value if reduction is None else _all_reduce(value, reduction))
-    with _keras.backend.StatelessScope(state_mapping=list(zip(self.variables, values))):
-        return original(self)
-
-
-def _reduce_per_replica(original, values, strategy, reduction):
+def _reduce_per_replica(replica, original, values, strategy, reduction):
     """Keras's reduction of a step's outputs, with several workers.
 
     Keras's own (`trainer.reduce_per_replica`) reduces a "mean" with
@@ -876,22 +680,15 @@ def _several_workers():
 
 def _rules_table():
     return [
-        (tf_optimizer.TFOptimizer, "apply", _apply),
-        (tf_optimizer.TFOptimizer, "_all_reduce_sum_gradients", _all_reduce_sum),
-        (tf_optimizer.TFOptimizer, "_backend_apply_gradients", _apply_gradients),
-        (loss_module, "scale_loss_for_distribution", _scale),
-        (loss_module, "unscale_loss_for_distribution", _scale),
-        (loss_module, "reduce_values", _reduce_values),
-        (loss_module, "apply_mask", _apply_mask),
-        (base_trainer.Trainer, "_aggregate_additional_loss", _additional_loss),
-        (base_layer.Layer, "add_loss", _add_loss),
-        (base_layer.Layer, "_get_own_losses", _own_losses),
-        (base_layer.Layer, "_clear_losses", _clear_losses),
-        (reduction_metrics.Mean, "update_state", _mean_update),
-        (batch_normalization.BatchNormalization, "_moments", _moments),
-        *((tf_random, name, _random) for name in DRAWS),
-        (tf_random, "dropout", _dropout),
-        *((cls, "result", _global_result) for cls in shared.metric_classes()),
+        (tf_optimizer.TFOptimizer, "apply", _apply, _step),
+        (tf_optimizer.TFOptimizer, "_all_reduce_sum_gradients", _all_reduce_sum, _step),
+        (tf_optimizer.TFOptimizer, "_backend_apply_gradients", _apply_gradients, _step),
+        (loss_module, "scale_loss_for_distribution", _scale, _step),
+        (loss_module, "unscale_loss_for_distribution", _scale, _step),
+        (base_layer.Layer, "add_loss", _add_loss, _step),
+        (base_layer.Layer, "_get_own_losses", _own_losses, _step),
+        (base_layer.Layer, "_clear_losses", _clear_losses, _step),
+        *rules.table(_step, _step, tf_random, DRAWS),
     ]
 
 
@@ -913,8 +710,8 @@ def _rules():
     depth = getattr(_installed, "depth", 0)
     _installed.depth = depth + 1
     try:
-        table = [(*row, _weight) for row in _rules_table()] + _process_rules_table()
-        with shared.installed(table if depth == 0 else []):
+        table = _rules_table() + _process_rules_table()
+        with rules.installed(table if depth == 0 else []):
             yield
     finally:
         _installed.depth = depth

@@ -5,25 +5,17 @@ or `torchrun` starts them; `python script.py` relaunches itself under the
 launcher). NCCL joins GPUs, gloo joins CPU processes. Every process reads
 the whole global batch (the same data, in the same order: the random
 generators are rank 0's) and its step runs on its own contiguous share of
-the real rows, k_r of n. Exactness comes from the rule the TensorFlow
-engine keeps, with torch's collectives:
+the real rows, k_r of n. Exactness comes from `keras_multigpu.rules`, the rules
+the TensorFlow engine keeps too, installed for the length of a call with torch's
+collectives as their all-reduce:
 
     one device's value = sum over ranks r of (k_r / n) * value_r
 
-- gradients are weighed by k_r / n and all-reduced (summed, one flat
-  buffer per dtype) before the optimizer clips, accumulates or applies
-  them, so a custom `train_step` with its own mean loss is exact;
-- losses that are not plain means (`reduction="sum"`, masks,
-  `mean_with_sample_weight`) are rescaled so the rule holds for them too,
-  and a scalar `Mean` update without a weight is weighed by k_r / n;
-- BatchNormalization's moments are the global batch's: sums over every
-  rank's real rows, all-reduced with torch.distributed's autograd-aware
-  collective, so gradients flow back through every rank's rows;
-- draws whose first dimension is the rank's rows (Dropout, GaussianNoise,
-  `keras.random.normal(shape(x))`) are drawn for the global batch and
-  sliced, so every row gets the numbers it gets on one device;
-- a metric's `result()` all-reduces its state first, so every rank's logs
-  and callbacks see the global figures and decide alike;
+Gradients are weighed by k_r / n (`rules.weigh`) and all-reduced here (summed, one flat
+buffer per dtype) before the optimizer clips, accumulates or applies them, so a custom
+`train_step` with its own mean loss is exact. The rules module holds the rest: loss
+reductions, `Mean` updates, BatchNorm moments (whose gradients flow back through every
+rank's rows), batch-shaped draws and dropout, metric results.
 - `predict` all-gathers the rows: every rank returns every row, in order.
 
 Only rank 0 writes Keras files (`save`, `save_weights`, checkpoints), atomically,
@@ -46,24 +38,14 @@ import keras
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_nn
 from keras import tree
 
-from keras_multigpu import _keras, interrupt
 from keras_multigpu import devices as devices_lib
+from keras_multigpu import interrupt, rules
 from keras_multigpu._io import atomic_path
-from keras_multigpu._keras import (
-    base_optimizer,
-    base_trainer,
-    batch_normalization,
-    loss_module,
-    reduction_metrics,
-    saving_api,
-    seed_generator,
-)
+from keras_multigpu._keras import base_optimizer, saving_api
 from keras_multigpu._keras.torch import DRAWS
 from keras_multigpu._keras.torch import random as torch_random
-from keras_multigpu.backends import _rules as shared
 from keras_multigpu.backends._marker import tag, untag  # noqa: F401 (the seam's names)
 from keras_multigpu.devices import Device, cpu_device_count
 
@@ -73,7 +55,7 @@ TIMEOUT_ENV = devices_lib.TIMEOUT_ENV
 RELAUNCH_ENV = "KERAS_MULTIGPU_RELAUNCH"
 _LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
-# Inside a step run by `run_step`: `counts`, (k, n, start) as ints; None elsewhere.
+# Inside a step run by `run_step`: `state`, its `rules.Replica` (k, n, start as ints).
 _replica = threading.local()
 
 if "LOCAL_RANK" in os.environ and torch.cuda.is_available():
@@ -418,249 +400,52 @@ def run_step(step, data, rows_out=False):
         return step(rows)
     k, start = _share(n, dist.get_world_size(), dist.get_rank())
     mine = tree.map_structure(lambda a: None if a is None else a[start:start + k], rows)
-    previous = getattr(_replica, "counts", None)
-    _replica.counts = (k, n, start)
+    previous = getattr(_replica, "state", None)
+    _replica.state = rules.Replica(k, n, start, dist.get_world_size(), _sum)
     try:
         result = step(mine)
     finally:
-        _replica.counts = previous
+        _replica.state = previous
     return _gather_rows(result, k, n) if rows_out else result
 
 
-# -- the rules, in force inside `scope` -----------------------------------
+# -- the rules, in force inside `scope` (keras_multigpu.rules) ------------
 
 
-def _weight():
-    """k / n of this process's step, or None outside one."""
-    counts = getattr(_replica, "counts", None)
-    if counts is None:
+def _sum(values, what):
+    """Sums `values` (tensors no gradient flows through) across processes."""
+    return _flat_all_reduce([torch.as_tensor(v).detach().clone().to(_device()) for v in values],
+                            what)
+
+
+def _step():
+    """This process's `rules.Replica` inside a step run by `run_step`, else None."""
+    return getattr(_replica, "state", None)
+
+
+def _call():
+    """A `rules.Replica` for the call (a metric's result is read outside the step too)."""
+    if getattr(_installed, "engine", None) is None:
         return None
-    k, n, _ = counts
-    return k / n if n else 0.0
+    return _step() or rules.Replica(None, None, None, dist.get_world_size(), _sum)
 
 
-def _apply(original, self, grads, trainable_variables=None):
-    """Weighted all-reduce of the gradients, then the optimizer's own apply."""
-    weight = _weight()
+def _apply(replica, original, self, grads, trainable_variables=None):
+    """The gradients weighed by k / n (`rules.weigh`) and all-reduced, then the optimizer's
+    own apply."""
     present = [i for i, g in enumerate(grads) if g is not None]
     if present:
-        weighed = [torch.zeros_like(grads[i]) if weight == 0 else grads[i] * weight
-                   for i in present]
+        weighed = [rules.weigh(replica, grads[i]) for i in present]
         reduced = _flat_all_reduce(weighed, "all-reduce of the gradients")
         grads = list(grads)
         for i, g in zip(present, reduced):
             grads[i] = g
     # The optimizer's own step then runs outside the rules (it may call `apply` again).
-    counts, _replica.counts = _replica.counts, None
+    state, _replica.state = _replica.state, None
     try:
         return original(self, grads, trainable_variables)
     finally:
-        _replica.counts = counts
-
-
-def _all_reduce(value):
-    """Sum across processes of a value no gradient flows through."""
-    value = torch.as_tensor(value).detach().clone().to(_device())
-    _collective("all-reduce of a loss's divisor", dist.all_reduce, value)
-    return value
-
-
-def _rescale(n, k, dtype):
-    return torch.tensor(n / max(k, 1), dtype=dtype)
-
-
-def _reduce_values(original, values, sample_weight=None, reduction="sum_over_batch_size"):
-    if reduction is None or reduction == "none" or tuple(values.shape) == ():
-        return original(values, sample_weight, reduction)
-    k, n, _ = _replica.counts
-    total = keras.ops.sum(values)
-    masked, _replica.masked = getattr(_replica, "masked", False), False
-    divisor = None
-    if reduction == "mean_with_sample_weight" and sample_weight is not None:
-        # Every process joins this all-reduce, with rows or without.
-        divisor = _all_reduce(keras.ops.cast(keras.ops.sum(sample_weight), total.dtype))
-    if k == 0:
-        # A process with no rows this step (a batch smaller than the process count): a
-        # zero that still depends on the model, so its backward pass runs the same
-        # collectives as the others'.
-        return total
-    if reduction == "sum":
-        return total * _rescale(n, k, total.dtype)
-    if divisor is not None:
-        return keras.ops.divide_no_nan(total, divisor) * _rescale(n, k, total.dtype)
-    if masked:
-        # `_apply_mask` has already divided by the global count of valid entries.
-        return total * _rescale(n, k, total.dtype)
-    size = keras.ops.cast(keras.ops.size(values), total.dtype)
-    return keras.ops.divide_no_nan(total, size)
-
-
-def _apply_mask(*args, **kwargs):
-    return shared.apply_mask(*args, **kwargs, all_reduce=_all_reduce, replica=_replica)
-
-
-def _additional_loss(original, self, loss):
-    """Keras's sum of an `add_loss` value, as a rule: a value with a row per sample (Keras's
-    CTC example adds one) is summed over the batch, so this process's part of the sum is
-    rescaled as `reduction="sum"` is. Scalars (means, regularisers) are weighed as means. A
-    first dimension that equals the rows by chance is taken for the batch's."""
-    total = original(self, loss)
-    k, n, _ = _replica.counts
-    if k == 0:
-        # No rows: nothing added (a mean over no rows is NaN), still a function of the model.
-        return torch.nan_to_num(total, nan=0.0) * 0
-    if loss.ndim == 0 or int(loss.shape[0]) != k:
-        return total
-    return total * _rescale(n, k, total.dtype)
-
-
-def _mean_update(original, self, values, sample_weight=None):
-    values = keras.ops.convert_to_tensor(values)
-    if values.ndim == 0:
-        # A process without rows weighs nothing: its value (a mean over no rows: NaN) too.
-        weight = _weight()
-        values = values if weight > 0 else keras.ops.zeros_like(values)
-        if sample_weight is None:
-            sample_weight = weight
-    return original(self, values, sample_weight=sample_weight)
-
-
-class _ScaleGradient(torch.autograd.Function):
-    """Identity forward; the gradient times `scale` backward."""
-
-    @staticmethod
-    def forward(ctx, value, scale):
-        ctx.scale = scale
-        return value.view_as(value)
-
-    @staticmethod
-    def backward(ctx, upstream):
-        return upstream * ctx.scale, None
-
-
-def _weighted_sum(value):
-    """All-reduce (SUM) of `value` whose gradient keeps the rule.
-
-    Each process's gradient is weighed by k_r / n after its backward pass
-    (`_apply`), but a gradient that crosses processes here comes from every
-    process's loss: the upstream gradients are weighed by their own k_s / n
-    before torch's autograd-aware all-reduce sums them, and divided by this
-    process's weight, which the later weighing restores.
-    """
-    weight = _weight()
-    inverse = 0.0 if weight == 0 else 1.0 / weight
-    with warnings.catch_warnings():
-        # torch 2.13 marks this module deprecated; it is still its autograd-aware collective.
-        warnings.simplefilter("ignore", FutureWarning)
-        summed = _collective("all-reduce of BatchNormalization's moments", dist_nn.all_reduce,
-                             _ScaleGradient.apply(value, inverse))
-    return _ScaleGradient.apply(summed, weight)
-
-
-def _moments(original, self, inputs, mask):
-    """BatchNormalization's moments over the real rows of every process (Keras's formulas)."""
-    x = inputs.float() if inputs.dtype in (torch.float16, torch.bfloat16) else inputs
-    axes = list(self._reduction_axes)
-    if mask is None and 0 in axes:
-        # Every entry counts: n rows times the other reduced dimensions, known without
-        # an all-reduce.
-        _, n, _ = _replica.counts
-        count = float(n * int(np.prod([x.shape[a] for a in axes if a != 0])))
-        mean = _weighted_sum(torch.sum(x, axes, keepdim=True)) / count if count else (
-            torch.zeros_like(torch.sum(x, axes, keepdim=True)))
-        centred = x - mean
-    else:
-        if mask is None:
-            weights, epsilon = torch.ones_like(x), 0.0
-        else:
-            weights = torch.broadcast_to(mask.to(x.dtype).unsqueeze(-1), x.shape)
-            epsilon = keras.backend.epsilon()
-        total = _weighted_sum(torch.sum(x * weights, axes, keepdim=True))
-        count = _weighted_sum(torch.sum(weights, axes, keepdim=True)) + epsilon
-        mean = torch.nan_to_num(total / count)
-        centred = (x - mean) * weights
-    squares = _weighted_sum(torch.sum(torch.square(centred), axes, keepdim=True))
-    variance = torch.nan_to_num(squares / count)
-    mean, variance = torch.squeeze(mean, axes), torch.squeeze(variance, axes)
-    return mean.to(inputs.dtype), variance.to(inputs.dtype)
-
-
-class _Drawn(seed_generator.SeedGenerator):
-    """A seed already drawn, handed to Keras's draw functions as a generator would be."""
-
-    def __init__(self, value):  # no state variable: `next` only returns `value`
-        self.value = value
-        self._initial_seed = 0
-
-    def next(self, ordered=True):
-        return self.value
-
-
-def _batch_draw(draw, shape, seed):
-    """`draw(shape, seed)`; a draw whose first dimension is whole multiples of this
-    process's rows is made for the global batch and this process's rows are taken from it,
-    so that every row gets the numbers it gets on one device.
-
-    A first dimension of c times the rows is c blocks of them, as one device's draw for
-    c times its rows holds them (a GAN's noise for its real and generated rows,
-    concatenated). In eager torch a shape is plain ints: a first dimension that is a
-    multiple of k by chance is taken for the batch's too.
-    """
-    shape = list(shape)
-    k, n, start = _replica.counts
-    rows = int(shape[0]) if shape else 0
-    if not shape or k == n or (k and rows % k) or bool(k) != bool(rows):
-        return draw(shape, seed)
-    # A process with no rows draws one block, as many numbers as a draw shaped by the
-    # batch (the common case) takes from the generators the others draw from.
-    blocks = rows // k if k else 1
-    if seed is not None and not (isinstance(seed, seed_generator.SeedGenerator)
-                                 and seed._initial_seed is None):
-        seed = _Drawn(seed_generator.draw_seed(seed))
-    drawn = draw([blocks * n, *shape[1:]], seed)
-    if blocks == 1:
-        return drawn[start:start + k]
-    return torch.cat([drawn[b * n + start:b * n + start + k] for b in range(blocks)])
-
-
-def _random(*args, **kwargs):
-    return shared.random_draw(*args, **kwargs, batch_draw=_batch_draw)
-
-
-def _dropout(original, inputs, rate, noise_shape=None, seed=None):
-    """Keras's dropout with its mask drawn by `_batch_draw`."""
-    if isinstance(rate, (int, float)) and rate in (0.0, 1.0):
-        return original(inputs, rate, noise_shape, seed)
-    concrete = torch_random._get_concrete_noise_shape(inputs, noise_shape)
-
-    def draw(shape, seed):
-        # With a noise shape, Keras draws from the seed; without, from torch's generator.
-        ones = torch.ones(shape, dtype=inputs.dtype, device=inputs.device)
-        return original(ones, rate, None if noise_shape is None else shape, seed)
-
-    mask = _batch_draw(draw, concrete, seed)
-    return inputs * mask
-
-
-def _engine_active():
-    return True if getattr(_installed, "engine", None) is not None else None
-
-
-def _global_result(original, self):
-    """A metric's result across every process: its state is all-reduced first."""
-    if _keras.backend.in_stateless_scope() or not self.variables:
-        return original(self)
-    summed = [i for i, v in enumerate(self.variables)
-              if getattr(v, "aggregation", None) in ("sum", "mean")]
-    if not summed:
-        return original(self)
-    values = [v.value.detach() for v in self.variables]
-    reduced = _flat_all_reduce([values[i].clone() for i in summed], "all-reduce of the metrics")
-    world = dist.get_world_size()
-    for i, value in zip(summed, reduced):
-        values[i] = value / world if self.variables[i].aggregation == "mean" else value
-    with _keras.backend.StatelessScope(state_mapping=list(zip(self.variables, values))):
-        return original(self)
+        _replica.state = state
 
 
 def global_metric_state(variables):
@@ -694,15 +479,8 @@ def local_metric_state(variables, values):
 
 def _rules_table():
     return [
-        (base_optimizer.BaseOptimizer, "apply", _apply, _weight),
-        (loss_module, "reduce_values", _reduce_values, _weight),
-        (loss_module, "apply_mask", _apply_mask, _weight),
-        (base_trainer.Trainer, "_aggregate_additional_loss", _additional_loss, _weight),
-        (reduction_metrics.Mean, "update_state", _mean_update, _weight),
-        (batch_normalization.BatchNormalization, "_moments", _moments, _weight),
-        *((torch_random, name, _random, _weight) for name in DRAWS),
-        (torch_random, "dropout", _dropout, _weight),
-        *((cls, "result", _global_result, _engine_active) for cls in shared.metric_classes()),
+        (base_optimizer.BaseOptimizer, "apply", _apply, _step),
+        *rules.table(_step, _call, torch_random, DRAWS),
     ]
 
 
@@ -722,7 +500,7 @@ def scope(distribution):
         return
     _installed.engine = distribution
     try:
-        with shared.installed(_rules_table()):
+        with rules.installed(_rules_table()):
             yield
     finally:
         _installed.engine = None

@@ -1,0 +1,422 @@
+"""The exactness rules, written once in `keras.ops`, for engines whose replicas see only
+their own rows (TensorFlow's replica functions, torch's processes).
+
+Every reduction a step makes keeps one rule:
+
+    one device's value = sum over replicas r of (k_r / n) * value_r
+
+where replica r holds k_r of the global batch's n real rows (contiguous, from `start`),
+and a replica's value is what one device computes on its rows. Each rule below is a
+Keras function as a replica must compute it. An engine supplies the primitives as a
+`Replica` (its counts, and a sum across replicas) and installs the rules for the length
+of a call with `installed(table(...))`. The JAX engine has a global view of the batch and
+needs none of them.
+
+`tests/test_rules.py` checks each rule in one process, with replicas simulated by threads
+over uneven splits and splits of no rows.
+"""
+
+import contextlib
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import keras
+
+from keras_multigpu import _keras
+from keras_multigpu._keras import (
+    base_trainer,
+    batch_normalization,
+    loss_module,
+    metric_module,
+    reduction_metrics,
+    seed_generator,
+)
+
+__all__ = [
+    "Replica", "weight", "weigh", "reduce_values", "apply_mask", "additional_loss",
+    "mean_update", "weighted_sum", "moments", "batch_draw", "random_draw", "dropout",
+    "global_result", "metric_classes", "table", "installed",
+]
+
+
+@dataclasses.dataclass
+class Replica:
+    """What the rules need from the engine, for one replica's step.
+
+    Attributes:
+        k, n, start: this replica's real rows, the global batch's, and where its rows
+            start in the global batch: Python ints (eager engines), or scalar int tensors
+            (engines that trace the step with a dynamic batch). None outside a step (a
+            metric's `result()` read at the end of an epoch needs only the sums).
+        replicas: how many replicas there are (a Python int).
+        all_reduce: `all_reduce(values, what)` sums a list of tensors across replicas,
+            with no gradient; `what` names the collective in an error.
+        traced: whether the step is traced with a dynamic batch dimension, so that a
+            static first dimension (a Python int) is never the batch's rows.
+        masked: set by `apply_mask` when it has divided a mean by the valid entries of
+            every replica, and read (then cleared) by `reduce_values`.
+    """
+
+    k: Any
+    n: Any
+    start: Any
+    replicas: int
+    all_reduce: Callable
+    traced: bool = False
+    masked: bool = False
+
+
+def weight(replica, dtype="float32"):
+    """k / n, in `dtype` (0 for a replica without rows)."""
+    return keras.ops.divide_no_nan(keras.ops.cast(replica.k, dtype),
+                                   keras.ops.cast(replica.n, dtype))
+
+
+def _share(replica, dtype):
+    """n / k: turns this replica's part of a sum into the term the rule weighs."""
+    return keras.ops.divide_no_nan(keras.ops.cast(replica.n, dtype),
+                                   keras.ops.cast(keras.ops.maximum(replica.k, 1), dtype))
+
+
+def weigh(replica, gradient):
+    """A gradient of this replica's mean loss, times k / n: the term it adds to one
+    device's. 0 where the replica had no rows (its mean may be NaN there)."""
+    w = weight(replica, gradient.dtype)
+    return keras.ops.where(w > 0, gradient * w, keras.ops.zeros_like(gradient))
+
+
+def reduce_values(replica, original, values, sample_weight=None,
+                  reduction="sum_over_batch_size"):
+    """Keras's `reduce_values` (`original`): a loss's reduction over this replica's rows.
+
+    A mean over the rows is already the replica's value. A sum, a weighted mean
+    (`mean_with_sample_weight`, whose divisor is every replica's weight) and a masked
+    mean (divided by every replica's valid entries in `apply_mask`) are rescaled by
+    n / k, so that k / n of them is this replica's part of one device's value.
+    """
+    if reduction is None or reduction == "none" or len(values.shape) == 0:
+        return original(values, sample_weight, reduction)
+    total = keras.ops.sum(values)
+    share = _share(replica, total.dtype)
+    masked, replica.masked = replica.masked, False
+    if reduction == "sum":
+        return total * share
+    if reduction == "mean_with_sample_weight" and sample_weight is not None:
+        # Every replica joins this all-reduce, with rows or without.
+        divisor = replica.all_reduce(
+            [keras.ops.cast(keras.ops.sum(sample_weight), total.dtype)],
+            "all-reduce of a loss's divisor")[0]
+        return keras.ops.divide_no_nan(total, divisor) * share
+    if masked:
+        return total * share
+    return keras.ops.divide_no_nan(total, keras.ops.cast(keras.ops.size(values), total.dtype))
+
+
+def apply_mask(replica, original, sample_weight, mask, dtype, reduction):
+    """Keras's `apply_mask` (`original`): a mean's mask divides by the valid entries of
+    every replica, not by this replica's, so that its part of the sum is its part of one
+    device's mean. Tells `reduce_values` that the division is done."""
+    if mask is None or reduction not in ("mean", "sum_over_batch_size"):
+        return original(sample_weight, mask, dtype, reduction)
+    valid = replica.all_reduce([keras.ops.sum(keras.ops.cast(mask, dtype))],
+                               "all-reduce of a mask's valid entries")[0]
+    replica.masked = True
+    float_mask = keras.ops.where(keras.ops.cast(mask, "bool"),
+                                 keras.ops.divide_no_nan(keras.ops.cast(1.0, dtype), valid), 0)
+    if sample_weight is None:
+        return float_mask
+    sample_weight = keras.ops.cast(sample_weight, dtype)
+    float_mask, sample_weight = loss_module.squeeze_or_expand_to_same_rank(
+        float_mask, sample_weight)
+    return sample_weight * float_mask
+
+
+def additional_loss(replica, original, trainer, loss):
+    """Keras's sum of an `add_loss` value (`original`): a value with a row per sample
+    (Keras's CTC example adds one) is summed over the batch, so this replica's part is
+    rescaled as `reduction="sum"` is. Scalars (means, regularisers) are weighed as means.
+    A replica without rows adds nothing (a mean over no rows is NaN), yet still depends on
+    the model, so its backward pass runs the same collectives as the others'."""
+    total = _select(replica.k > 0, original(trainer, loss),
+                    lambda total: keras.ops.nan_to_num(total) * 0)
+    if _rank(loss) in (None, 0):
+        return total
+    rows = keras.ops.shape(loss)[0]
+    if isinstance(rows, int) and isinstance(replica.k, int):
+        rows = rows == replica.k
+    elif replica.traced and isinstance(rows, int):
+        return total  # a static first dimension is not this step's rows
+    else:
+        rows = keras.ops.equal(rows, replica.k)
+    return _select(rows, total,
+                   lambda total: total, lambda total: total * _share(replica, total.dtype))
+
+
+def _rank(x):
+    """The rank of `x`, None where a traced tensor's rank is unknown."""
+    try:
+        return len(x.shape)
+    except (TypeError, ValueError):
+        return None
+
+
+def _select(condition, value, otherwise, then=lambda value: value):
+    """`then(value)` where `condition` holds, else `otherwise(value)`: a Python choice for
+    eager engines' plain values, `keras.ops.where` for traced ones."""
+    if isinstance(condition, bool) or not keras.ops.is_tensor(condition):
+        return then(value) if condition else otherwise(value)
+    return keras.ops.where(condition, then(value), otherwise(value))
+
+
+def mean_update(replica, original, metric, values, sample_weight=None):
+    """Keras's `Mean.update_state` (`original`): a scalar without a weight (a custom step's
+    loss tracker, a per-output loss) is this replica's mean, weighed by k / n."""
+    values = keras.ops.convert_to_tensor(values)
+    if len(values.shape) == 0:
+        w = weight(replica, values.dtype)
+        values = keras.ops.where(w > 0, values, keras.ops.zeros_like(values))
+        if sample_weight is None:
+            sample_weight = w
+    return original(metric, values, sample_weight=sample_weight)
+
+
+def weighted_sum(replica, value, what="all-reduce of BatchNormalization's moments"):
+    """The sum of `value` across replicas, whose gradient keeps the rule.
+
+    Each replica's gradient is weighed by k_r / n after its backward pass (`weigh`), but
+    a gradient that crosses replicas here comes from every replica's loss: the upstream
+    gradients are weighed by their own k_s / n before they are summed, and multiplied by
+    n / k_r, which the later weighing by k_r / n undoes.
+    """
+
+    @keras.ops.custom_gradient
+    def reduce(value):
+        def grad(*args, upstream=None):
+            if upstream is None:
+                (upstream,) = args
+            w = weight(replica, upstream.dtype)
+            summed = replica.all_reduce([upstream * w], f"{what} (backward)")[0]
+            return keras.ops.where(w > 0, summed * _share(replica, summed.dtype),
+                                   keras.ops.zeros_like(summed))
+
+        return replica.all_reduce([value], what)[0], grad
+
+    return reduce(value)
+
+
+def moments(replica, original, layer, inputs, mask):
+    """BatchNormalization's `_moments` (`original`, Keras's formulas) over the real rows
+    of every replica: their sums, all-reduced by `weighted_sum`."""
+    low = keras.backend.standardize_dtype(inputs.dtype) in ("float16", "bfloat16")
+    x = keras.ops.cast(inputs, "float32") if low else inputs
+    axes = list(layer._reduction_axes)
+    if mask is None and 0 in axes:
+        # Every entry counts: n rows times the other reduced dimensions, known without an
+        # all-reduce, and no weights to multiply by.
+        dims = keras.ops.shape(x)
+        others = functools.reduce(lambda a, b: a * b, [dims[a] for a in axes if a != 0], 1)
+        count = keras.ops.cast(replica.n, x.dtype) * keras.ops.cast(others, x.dtype)
+        mean = keras.ops.divide_no_nan(
+            weighted_sum(replica, keras.ops.sum(x, axes, keepdims=True)), count)
+        centred = x - mean
+    else:
+        if mask is None:
+            weights, epsilon = keras.ops.ones_like(x), 0.0
+        else:
+            weights = keras.ops.broadcast_to(
+                keras.ops.expand_dims(keras.ops.cast(mask, x.dtype), -1), keras.ops.shape(x))
+            epsilon = keras.backend.epsilon()
+        total = weighted_sum(replica, keras.ops.sum(x * weights, axes, keepdims=True))
+        count = weighted_sum(replica, keras.ops.sum(weights, axes, keepdims=True)) + epsilon
+        mean = keras.ops.divide_no_nan(total, count)
+        centred = (x - mean) * weights
+    squares = weighted_sum(replica, keras.ops.sum(keras.ops.square(centred), axes,
+                                                  keepdims=True))
+    variance = keras.ops.divide_no_nan(squares, count)
+    mean = keras.ops.squeeze(mean, tuple(axes))
+    variance = keras.ops.squeeze(variance, tuple(axes))
+    return keras.ops.cast(mean, inputs.dtype), keras.ops.cast(variance, inputs.dtype)
+
+
+class _Drawn(seed_generator.SeedGenerator):
+    """A seed already drawn, handed to Keras's draw functions as a generator would be:
+    every branch of a traced draw then uses one draw, so the layer's generator moves on
+    once per call, as on one device."""
+
+    def __init__(self, value):  # no state variable: `next` only returns `value`
+        self.value = value
+        self._initial_seed = 0
+
+    def next(self, ordered=True):
+        return self.value
+
+
+def _seeded(seed):
+    """Whether Keras draws `seed`'s numbers from a seed (not from the framework's own
+    global generator, as torch does for an unseeded draw)."""
+    return seed is not None and not (isinstance(seed, seed_generator.SeedGenerator)
+                                     and seed._initial_seed is None)
+
+
+def batch_draw(replica, draw, shape, seed):
+    """`draw(shape, seed)`, where a first dimension of whole multiples of the replica's rows
+    is the batch's.
+
+    Such a draw is made for the global batch and this replica's rows are taken from it,
+    so that every row gets the numbers it gets on one device. A first dimension of c times
+    the rows is c blocks of them, as one device's draw for c times its rows holds them (a
+    GAN's noise for its real and generated rows, concatenated): this replica's rows of
+    each block are taken. Other draws are the replica's own: each replica draws what one
+    device does. Eager engines see plain ints, so a first dimension that is a multiple of
+    k by chance is taken for the batch's too; traced ones take a static one for none.
+    """
+    if keras.ops.is_tensor(shape):
+        shape = [shape[i] for i in range(int(shape.shape[0]))]
+    shape = list(shape)
+    k, n, start = replica.k, replica.n, replica.start
+    if not shape or (replica.traced and isinstance(shape[0], int)):
+        return draw(shape, seed)
+    if not replica.traced:
+        rows = int(shape[0])
+        if k == n or (k and rows % k) or bool(k) != bool(rows):
+            return draw(shape, seed)
+        # A replica with no rows draws one block, as many numbers as a draw shaped by the
+        # batch (the common case) takes from the generators the others draw from.
+        blocks = rows // k if k else 1
+        drawn = draw([blocks * n, *shape[1:]], _Drawn(seed_generator.draw_seed(seed))
+                     if _seeded(seed) else seed)
+        if blocks == 1:
+            return drawn[start:start + k]
+        return keras.ops.concatenate([drawn[b * n + start:b * n + start + k]
+                                      for b in range(blocks)])
+    seed = _Drawn(seed_generator.draw_seed(seed))
+    rows = keras.ops.cast(shape[0], "int32")
+    blocks = keras.ops.floor_divide(rows, keras.ops.maximum(k, 1))
+
+    rest = [keras.ops.cast(d, "int32") if keras.ops.is_tensor(d) else d for d in shape[1:]]
+
+    def global_rows():
+        drawn = draw([blocks * n, *rest], seed)
+        mine = keras.ops.reshape(keras.ops.arange(blocks)[:, None] * n + start
+                                 + keras.ops.arange(k)[None, :], [-1])
+        return keras.ops.take(drawn, mine, axis=0)
+
+    batch_shaped = keras.ops.logical_and(
+        keras.ops.logical_and(k > 0, keras.ops.equal(rows, blocks * k)), blocks > 0)
+    return keras.ops.cond(batch_shaped, global_rows, lambda: draw(shape, seed))
+
+
+def random_draw(replica, original, *args, **kwargs):
+    """Keras's `normal`, `uniform`, ... (`original`, with `shape` and `seed` arguments),
+    drawn by `batch_draw`."""
+    arguments = inspect.signature(original).bind(*args, **kwargs).arguments
+
+    def draw(shape, seed):
+        return original(**{**arguments, "shape": shape, "seed": seed})
+
+    return batch_draw(replica, draw, arguments["shape"], arguments.get("seed"))
+
+
+def dropout(replica, original, inputs, rate, noise_shape=None, seed=None):
+    """Keras's `dropout` (`original`) with its mask drawn by `batch_draw`: the mask is
+    Keras's dropout of ones (with a noise shape only where the user gave one, as Keras
+    draws from the seed then), times the inputs."""
+    if isinstance(rate, (int, float)) and rate in (0.0, 1.0):
+        return original(inputs, rate, noise_shape, seed)
+    dims = list(keras.ops.shape(inputs))
+    if replica.traced:  # the inputs' first dimension is the step's rows, even if known
+        dims[0] = keras.ops.convert_to_tensor(dims[0], "int32")
+    concrete = dims if noise_shape is None else [
+        dim if size is None else size for dim, size in zip(dims, noise_shape)]
+
+    def draw(shape, seed):
+        ones = keras.ops.ones(shape, dtype=inputs.dtype)
+        return original(ones, rate, None if noise_shape is None else shape, seed)
+
+    return inputs * batch_draw(replica, draw, concrete, seed)
+
+
+def global_result(replica, original, metric):
+    """A metric's `result()` (`original`) from every replica's state: its summed variables
+    summed and its averaged ones averaged first, so that every replica's logs and
+    callbacks (the progress bar, EarlyStopping) see one device's figures."""
+    if _keras.backend.in_stateless_scope() or not metric.variables:
+        return original(metric)
+    kinds = [getattr(v, "aggregation", None) for v in metric.variables]
+    shared = [i for i, kind in enumerate(kinds) if kind in ("sum", "mean")]
+    if not shared:
+        return original(metric)
+    values = [keras.ops.convert_to_tensor(v.value) for v in metric.variables]
+    reduced = replica.all_reduce([values[i] for i in shared], "all-reduce of the metrics")
+    for i, value in zip(shared, reduced):
+        values[i] = value / replica.replicas if kinds[i] == "mean" else value
+    with _keras.backend.StatelessScope(state_mapping=list(zip(metric.variables, values))):
+        return original(metric)
+
+
+def metric_classes():
+    """Every Metric class defined so far that has its own `result` (the user's too)."""
+    found, stack = [], [metric_module.Metric]
+    while stack:
+        cls = stack.pop()
+        if "result" in vars(cls):
+            found.append(cls)
+        stack.extend(cls.__subclasses__())
+    return list(dict.fromkeys(found))
+
+
+def table(step, call, random_module, draws):
+    """The rules as `installed` takes them, for an engine whose `step()` returns this
+    replica's `Replica` inside a step (None elsewhere) and `call()` one for the call
+    (metrics are read outside the step too). `random_module` is Keras's backend random
+    module, whose `draws` (and `dropout`) are patched."""
+    return [
+        (loss_module, "reduce_values", reduce_values, step),
+        (loss_module, "apply_mask", apply_mask, step),
+        (base_trainer.Trainer, "_aggregate_additional_loss", additional_loss, step),
+        (reduction_metrics.Mean, "update_state", mean_update, step),
+        (batch_normalization.BatchNormalization, "_moments", moments, step),
+        *((random_module, name, random_draw, step) for name in draws),
+        (random_module, "dropout", dropout, step),
+        *((cls, "result", global_result, call) for cls in metric_classes()),
+    ]
+
+
+def _patched(owner, name, rule, guard):
+    original = getattr(owner, name)
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        replica = guard()
+        if replica is None:
+            return original(*args, **kwargs)
+        return rule(replica, original, *args, **kwargs)
+
+    wrapper._keras_multigpu_original = original
+    return original, wrapper
+
+
+@contextlib.contextmanager
+def installed(rules):
+    """Patches every `(owner, name, rule, guard)` of `rules` for the duration.
+
+    The patched function calls `rule(replica, original, *args, **kwargs)` where
+    `guard()` returns a `Replica`, and Keras's own function everywhere else (where it
+    returns None). Everything is restored on exit.
+    """
+    saved = []
+    try:
+        for owner, name, rule, guard in rules:
+            original, wrapper = _patched(owner, name, rule, guard)
+            saved.append((owner, name, name in vars(owner), original))
+            setattr(owner, name, wrapper)
+        yield
+    finally:
+        for owner, name, own, original in reversed(saved):
+            if own:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)

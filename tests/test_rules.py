@@ -1,0 +1,348 @@
+"""Each exactness rule of `keras_multigpu.rules`, in one process.
+
+R replicas are simulated by R threads, each holding its contiguous share of a global batch
+of n rows (uneven shares, and shares of no rows), and an all-reduce that sums across the
+threads. A rule holds when one device's value is the replicas' values weighed by k_r / n
+(sums and gradients), or when every replica computes one device's value (moments, draws,
+metric results). The rules run on every backend; the gradient rules need a backend
+gradient, which these tests take on TensorFlow and torch (the engines that use the rules).
+"""
+
+import threading
+
+import keras
+import numpy as np
+import pytest
+
+from keras_multigpu import rules
+from keras_multigpu._keras import (
+    base_trainer,
+    batch_normalization,
+    loss_module,
+    reduction_metrics,
+)
+
+# Rows per replica: even, uneven, and replicas left without rows (a batch smaller than the
+# replica count, or a last batch that runs out).
+SPLITS = [(4, 4), (3, 2), (2, 2, 1), (3, 0), (1, 1, 1, 0)]
+BACKEND = keras.backend.backend()
+
+
+def _starts(split):
+    return [sum(split[:r]) for r in range(len(split))]
+
+
+class _Replicas:
+    """R threads, each with its `rules.Replica`, and an all-reduce that sums across them."""
+
+    def __init__(self, split):
+        self.split, self.n = split, sum(split)
+        self.barrier = threading.Barrier(len(split), timeout=60)
+        self.slots = [None] * len(split)
+        self.local = threading.local()
+
+    def _all_reduce(self, r):
+        def all_reduce(values, what):
+            self.slots[r] = [keras.ops.convert_to_numpy(v) for v in values]
+            self.barrier.wait()
+            summed = [sum(parts) for parts in zip(*self.slots)]
+            self.barrier.wait()  # every replica has read the sums before the next
+            return [keras.ops.convert_to_tensor(np.asarray(s)) for s in summed]
+
+        return all_reduce
+
+    def guard(self):
+        return getattr(self.local, "replica", None)
+
+    def index(self):
+        """The calling thread's replica index."""
+        return self.local.index
+
+    def run(self, function):
+        """`function(replica, rows)` in every replica's thread (`rows`: a slice of the
+        global batch); returns their results in replica order."""
+        results, errors = [None] * len(self.split), []
+
+        def body(r, k, start):
+            self.local.index = r
+            self.local.replica = rules.Replica(k, self.n, start, len(self.split),
+                                               self._all_reduce(r))
+            try:
+                results[r] = function(self.local.replica, slice(start, start + k))
+            except BaseException as error:  # noqa: BLE001 (raised in the test's thread)
+                errors.append(error)
+                self.barrier.abort()
+
+        threads = [threading.Thread(target=body, args=(r, k, start))
+                   for r, (k, start) in enumerate(zip(self.split, _starts(self.split)))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+        return results
+
+
+def _weighed_sum(split, parts):
+    """Sum over replicas of (k_r / n) * part_r, over the replicas with rows."""
+    n = sum(split)
+    return sum((k / n) * np.asarray(keras.ops.convert_to_numpy(part), "float64")
+               for k, part in zip(split, parts) if k)
+
+
+def _numpy(x):
+    return np.asarray(keras.ops.convert_to_numpy(x))
+
+
+@pytest.mark.parametrize("split", SPLITS, ids=str)
+@pytest.mark.parametrize("reduction", ["sum_over_batch_size", "sum", "mean_with_sample_weight",
+                                       "masked", "masked_weighted"])
+def test_a_loss_reduction_weighed_by_rows_is_one_devices(split, reduction):
+    n = sum(split)
+    rng = np.random.default_rng(0)
+    values = rng.uniform(0.5, 2.0, (n,)).astype("float32")  # a loss per row
+    weights = rng.uniform(0.1, 1.0, (n,)).astype("float32")
+    mask = rng.uniform(size=(n,)) > 0.3
+    mask[0] = True  # at least one valid entry
+    if reduction.startswith("masked"):
+        kind, sample_weight = "sum_over_batch_size", (weights if "weighted" in reduction
+                                                      else None)
+    else:
+        kind, sample_weight, mask = reduction, (
+            weights if reduction == "mean_with_sample_weight" else None), None
+
+    def reduce(rows=slice(None)):
+        return loss_module.reduce_weighted_values(
+            values[rows], None if sample_weight is None else sample_weight[rows],
+            None if mask is None else mask[rows], kind)
+
+    one = _numpy(reduce())
+    replicas = _Replicas(split)
+    with rules.installed([(loss_module, "reduce_values", rules.reduce_values, replicas.guard),
+                          (loss_module, "apply_mask", rules.apply_mask, replicas.guard)]):
+        parts = replicas.run(lambda replica, rows: reduce(rows))
+    assert all(np.isfinite(_numpy(p)) for p in parts)
+    np.testing.assert_allclose(_weighed_sum(split, parts), one, rtol=1e-6)
+
+
+@pytest.mark.parametrize("split", SPLITS, ids=str)
+def test_an_added_loss_summed_over_rows_or_a_mean_is_one_devices(split):
+    n = sum(split)
+    per_row = np.random.default_rng(1).uniform(size=(n,)).astype("float32")
+    aggregate = base_trainer.Trainer._aggregate_additional_loss
+    parts = _Replicas(split).run(lambda replica, rows: rules.additional_loss(
+        replica, aggregate, None, keras.ops.convert_to_tensor(per_row[rows])))
+    np.testing.assert_allclose(_weighed_sum(split, parts), per_row.sum(), rtol=1e-6)
+    # A scalar (a mean over the replica's rows, a regulariser) is weighed as a mean.
+    replicas = _Replicas(split)
+    parts = replicas.run(lambda replica, rows: rules.additional_loss(
+        replica, aggregate, None, keras.ops.convert_to_tensor(
+            per_row[rows].mean() if rows.stop > rows.start else np.float32("nan"))))
+    assert all(np.isfinite(_numpy(p)) for p in parts)
+    np.testing.assert_allclose(_weighed_sum(split, parts), per_row.mean(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("split", SPLITS, ids=str)
+def test_a_scalar_mean_tracker_holds_one_devices_mean(split):
+    """A custom step's loss tracker: each replica updates with its own mean (NaN without
+    rows); the trackers' summed state holds one device's mean."""
+    per_row = np.random.default_rng(2).uniform(size=(sum(split),)).astype("float32")
+    replicas = _Replicas(split)
+    trackers = [keras.metrics.Mean() for _ in split]
+    with rules.installed([(reduction_metrics.Mean, "update_state", rules.mean_update,
+                           replicas.guard)]):
+        def update(replica, rows):
+            mean = per_row[rows].mean() if rows.stop > rows.start else np.float32("nan")
+            trackers[replicas.index()].update_state(mean)
+
+        replicas.run(update)
+    total = sum(_numpy(t.total) for t in trackers)
+    count = sum(_numpy(t.count) for t in trackers)
+    np.testing.assert_allclose(total / count, per_row.mean(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("split", SPLITS, ids=str)
+@pytest.mark.parametrize("metric", ["accuracy", "auc", "precision", "mae"])
+def test_a_metric_result_read_by_a_replica_is_one_devices(split, metric):
+    n = sum(split)
+    rng = np.random.default_rng(3)
+    y_true = (rng.uniform(size=(n, 1)) > 0.5).astype("float32")
+    y_pred = rng.uniform(size=(n, 1)).astype("float32")
+    make = {"accuracy": lambda: keras.metrics.BinaryAccuracy(),
+            "auc": lambda: keras.metrics.AUC(num_thresholds=20),
+            "precision": lambda: keras.metrics.Precision(),
+            "mae": lambda: keras.metrics.MeanAbsoluteError()}[metric]
+    one = make()
+    one.update_state(y_true, y_pred)
+    replicas = _Replicas(split)
+    metrics = [make() for _ in split]
+
+    def read(replica, rows):
+        r = replicas.index()
+        if rows.stop > rows.start:
+            metrics[r].update_state(y_true[rows], y_pred[rows])
+        return rules.global_result(replica, type(metrics[r]).result, metrics[r])
+
+    results = replicas.run(read)
+    for result in results:
+        np.testing.assert_allclose(_numpy(result), _numpy(one.result()), rtol=1e-6)
+
+
+@pytest.mark.parametrize("split", SPLITS, ids=str)
+@pytest.mark.parametrize("masked", [False, True], ids=["rows", "masked-steps"])
+def test_batchnorm_moments_are_the_global_batchs(split, masked):
+    n = sum(split)
+    rng = np.random.default_rng(4)
+    if masked:  # a sequence (rows, steps, channels) with a mask over its steps
+        x = rng.normal(size=(n, 5, 3)).astype("float32")
+        mask = rng.uniform(size=(n, 5)) > 0.3
+        mask[:, 0] = True
+    else:
+        x, mask = rng.normal(size=(n, 4, 3)).astype("float32"), None
+    layer = batch_normalization.BatchNormalization()
+    layer.build(x.shape)
+    original = batch_normalization.BatchNormalization._moments
+    one = [_numpy(m) for m in original(layer, keras.ops.convert_to_tensor(x),
+                                       None if mask is None else
+                                       keras.ops.convert_to_tensor(mask))]
+    replicas = _Replicas(split)
+    results = replicas.run(lambda replica, rows: rules.moments(
+        replica, original, layer, keras.ops.convert_to_tensor(x[rows]),
+        None if mask is None else keras.ops.convert_to_tensor(mask[rows])))
+    for mean, variance in results:
+        np.testing.assert_allclose(_numpy(mean), one[0], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(_numpy(variance), one[1], rtol=1e-5, atol=1e-6)
+
+
+def _input_gradient(function, x):
+    """d function(x) / dx, with the backend's own autodiff."""
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        x = tf.convert_to_tensor(x)
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            value = function(x)
+        return tape.gradient(value, x).numpy()
+    if BACKEND == "torch":
+        import torch
+
+        x = torch.tensor(x, requires_grad=True)
+        function(x).backward()
+        return x.grad.numpy()
+    pytest.skip("JAX traces a custom gradient's backward function to a jaxpr, where the "
+                "simulated all-reduce (host values across threads) cannot run; the JAX "
+                "engine has a global view of the batch and installs no rule")
+
+
+@pytest.mark.parametrize("split", SPLITS, ids=str)
+def test_batchnorm_gradients_weighed_by_rows_are_one_devices(split):
+    """The gradient crosses replicas through the moments' all-reduce: each row's gradient,
+    weighed by its replica's k / n, is one device's."""
+    n = sum(split)
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(n, 3)).astype("float32")
+    projection = keras.ops.convert_to_tensor(rng.normal(size=(3,)).astype("float32"))
+    original = batch_normalization.BatchNormalization._moments
+    layer = batch_normalization.BatchNormalization()
+    layer.build(x.shape)
+
+    def loss(moments, rows):
+        def function(x):
+            mean, variance = moments(x)
+            normalised = (x - mean) / keras.ops.sqrt(variance + 1e-3)
+            return keras.ops.sum(keras.ops.tanh(normalised) * projection) / max(rows, 1)
+        return function
+
+    one = _input_gradient(loss(lambda x: original(layer, x, None), n), x)
+    replicas = _Replicas(split)
+    parts = replicas.run(lambda replica, rows: _input_gradient(
+        loss(lambda x: rules.moments(replica, original, layer, x, None),
+             rows.stop - rows.start), x[rows]))
+    weighed = np.concatenate([(k / n) * part for k, part in zip(split, parts)])
+    np.testing.assert_allclose(weighed, one, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("split", SPLITS, ids=str)
+def test_gradients_weighed_by_rows_sum_to_one_devices(split):
+    """A mean squared error's gradient per replica, weighed (`rules.weigh`), summed: one
+    device's. A replica without rows (a NaN mean) adds zero."""
+    n = sum(split)
+    rng = np.random.default_rng(6)
+    x, y = rng.normal(size=(n, 3)), rng.normal(size=(n,))
+    w = rng.normal(size=(3,))
+
+    def gradient(rows):
+        xs, ys = x[rows], y[rows]
+        with np.errstate(invalid="ignore"):
+            return (2 * xs.T @ (xs @ w - ys) / len(ys)).astype("float32")
+
+    replicas = _Replicas(split)
+    parts = replicas.run(lambda replica, rows: rules.weigh(
+        replica, keras.ops.convert_to_tensor(gradient(rows))))
+    np.testing.assert_allclose(sum(_numpy(p) for p in parts), gradient(slice(None)),
+                               rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("split", SPLITS, ids=str)
+@pytest.mark.parametrize("blocks", [1, 2])
+def test_a_draw_shaped_by_the_rows_is_one_devices(split, blocks):
+    """keras.random.normal((c * rows, 2)): each replica's rows of every block are the ones
+    one device draws for them (a GAN's noise for its real and generated rows)."""
+    n = sum(split)
+    one = _numpy(keras.random.normal((blocks * n, 2), seed=keras.random.SeedGenerator(7)))
+    replicas = _Replicas(split)
+    parts = replicas.run(lambda replica, rows: rules.random_draw(
+        replica, keras.random.normal, (blocks * (rows.stop - rows.start), 2),
+        seed=keras.random.SeedGenerator(7)))
+    for (k, start), part in zip(zip(split, _starts(split)), parts):
+        expected = np.concatenate([one[b * n + start:b * n + start + k] for b in range(blocks)])
+        np.testing.assert_array_equal(_numpy(part)[:blocks * k], expected)
+
+
+@pytest.mark.parametrize("split", SPLITS, ids=str)
+def test_a_dropout_mask_is_one_devices(split):
+    n = sum(split)
+    inputs = np.arange(1, 1 + n * 6, dtype="float32").reshape(n, 6)
+    one = _numpy(keras.random.dropout(keras.ops.convert_to_tensor(inputs), 0.5,
+                                      seed=keras.random.SeedGenerator(3)))
+    replicas = _Replicas(split)
+    parts = replicas.run(lambda replica, rows: rules.dropout(
+        replica, keras.random.dropout, keras.ops.convert_to_tensor(inputs[rows]), 0.5,
+        seed=keras.random.SeedGenerator(3)))
+    for (k, start), part in zip(zip(split, _starts(split)), parts):
+        np.testing.assert_allclose(_numpy(part), one[start:start + k], rtol=1e-6)
+
+
+def test_a_draw_not_shaped_by_the_rows_is_the_replicas_own():
+    """A draw whose first dimension is no multiple of the rows (a weight's noise) is what
+    one device draws, on every replica."""
+    one = _numpy(keras.random.uniform((5, 2), seed=keras.random.SeedGenerator(9)))
+    parts = _Replicas((2, 2)).run(lambda replica, rows: rules.random_draw(
+        replica, keras.random.uniform, (5, 2), seed=keras.random.SeedGenerator(9)))
+    for part in parts:
+        np.testing.assert_array_equal(_numpy(part), one)
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="the traced path: TensorFlow's replicas "
+                    "run a traced step whose batch dimension is dynamic")
+@pytest.mark.parametrize("split", SPLITS, ids=str)
+def test_a_traced_draw_shaped_by_the_rows_is_one_devices(split):
+    import tensorflow as tf
+
+    n = sum(split)
+    one = _numpy(keras.random.normal((2 * n, 2), seed=keras.random.SeedGenerator(7)))
+    for k, start in zip(split, _starts(split)):
+        seed = keras.random.SeedGenerator(7)
+
+        @tf.function(input_signature=[tf.TensorSpec([None, 2])])
+        def draw(x, k=k, start=start, seed=seed):
+            replica = rules.Replica(tf.constant(k), tf.constant(n), tf.constant(start),
+                                    len(split), None, traced=True)
+            return rules.random_draw(replica, keras.random.normal,
+                                     (2 * tf.shape(x)[0], 2), seed=seed)
+
+        part = draw(tf.zeros((k, 2))).numpy()
+        expected = np.concatenate([one[b * n + start:b * n + start + k] for b in range(2)])
+        np.testing.assert_array_equal(part[:2 * k], expected)
