@@ -514,8 +514,10 @@ def _all_reduce(values, reduction=tf.distribute.ReduceOp.SUM):
 
 
 def _sum(values, what):
-    """Sums `values` across replicas (`rules.Replica.all_reduce`)."""
-    return list(_all_reduce(list(values)))
+    """Sums `values` across replicas (`rules.Replica.all_reduce`). A variable is read first
+    (`keras.ops.convert_to_tensor` hands a `tf.Variable` back as it is), so that `_placed`
+    can give its read a device."""
+    return list(_all_reduce([tf.convert_to_tensor(v) for v in values]))
 
 
 def _weighed(replica, gradient):
