@@ -63,6 +63,8 @@ def run(gpus, out):
     path = os.path.join(out, "model.keras")
     parallel.save(path)
     loaded = keras.models.load_model(path)  # every process: written by the time save returns
+    # Keras's own function, straight on the template: process 0 alone writes it too.
+    keras.saving.save_model(model, os.path.join(out, "direct.keras"))
     return {
         "weights": [np.asarray(w) for w in model.get_weights()],
         "loaded": [np.asarray(w) for w in loaded.get_weights()],

@@ -14,7 +14,7 @@ from keras_multigpu.devices import Device
 
 def test_backend_names():
     assert backends.BACKENDS == ("jax", "tensorflow", "torch")
-    assert len(set(backends.API)) == len(backends.API) == 22
+    assert len(set(backends.API)) == len(backends.API) == 21
     assert "resident" in backends.API
 
 

@@ -37,6 +37,8 @@ out, shared = sys.argv[1], sys.argv[2]  # this process's folder, and every worke
 writes = []
 save_weights_only = saving_lib.save_weights_only
 saving_lib.save_weights_only = lambda *a, **k: (writes.append(1), save_weights_only(*a, **k))
+save_model = saving_lib.save_model
+saving_lib.save_model = lambda *a, **k: (writes.append(1), save_model(*a, **k))
 
 # A worker other than the first may start from another state: every worker takes the
 # first's (the weights it builds, its shuffling), so all must train as the first alone.
@@ -60,6 +62,7 @@ evaluation = parallel.evaluate(x, y, batch_size=25, verbose=0)
 prediction = parallel.predict(x[:11], batch_size=25, verbose=0)
 index = parallel._backend.process_index()
 parallel.save_weights(os.path.join(shared, "model.weights.h5"))  # worker 0 writes, once
+keras.saving.save_model(model, os.path.join(shared, "direct.keras"))  # Keras's own, directly
 np.savez(os.path.join(out, f"weights-{index}.npz"), *model.get_weights())
 np.save(os.path.join(out, f"prediction-{index}.npy"), prediction)
 with open(os.path.join(out, f"result-{index}.json"), "w") as f:
@@ -67,7 +70,8 @@ with open(os.path.join(out, f"result-{index}.json"), "w") as f:
         "history": history.history, "evaluation": evaluation,
         "replicas": parallel.num_replicas, "devices": len(parallel.devices),
         "index": index, "count": parallel._backend.process_count(), "writes": len(writes),
-        "saved": os.path.exists(os.path.join(shared, "model.weights.h5")),
+        "saved": all(os.path.exists(os.path.join(shared, name))
+                     for name in ("model.weights.h5", "direct.keras")),
         "monitor": watch.ranks, "monitor_steps": watch.verdict["evidence"]["steps"],
     }, f)
 """
@@ -173,8 +177,9 @@ def _train_on_workers(tmp_path, per_worker):
     # Every worker ends with the same model, bit for bit.
     for u, v in zip(workers[0]["weights"], workers[1]["weights"]):
         np.testing.assert_array_equal(u, v)
-    # Worker 0 alone wrote the weights file; worker 1's save returned once it was there.
-    assert [w["writes"] for w in workers] == [1, 0]
+    # Worker 0 alone wrote the weights file and the direct `keras.saving.save_model`;
+    # worker 1's saves returned once they were there.
+    assert [w["writes"] for w in workers] == [2, 0]
     assert [w["saved"] for w in workers] == [True, True]
     # DeviceMonitor: every worker's step figures reached every worker; worker 0 wrote them.
     for worker in workers:
@@ -199,6 +204,59 @@ def test_two_workers_with_one_device_each_train_as_one_process(tmp_path):
     # one device, so each replica's values reach the all-reduce with no PerReplica to name
     # their device.
     _train_on_workers(tmp_path, per_worker=1)
+
+
+STOP = """
+import json, os, signal, sys
+
+import numpy as np
+
+import keras_multigpu
+import keras
+
+out = sys.argv[1]
+index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+keras.utils.set_random_seed(0)
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+parallel = keras_multigpu.multi_gpu_model(model)
+parallel.compile(optimizer="sgd", loss="mse")
+batches = []
+
+
+class CtrlCOnWorkerOne(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        batches.append(batch)
+        if index == 1 and len(batches) == 5:
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+try:
+    parallel.fit(np.ones((80, 4)), np.ones((80, 2)), batch_size=8, epochs=3, verbose=0,
+                 callbacks=[CtrlCOnWorkerOne()])
+    stopped = False
+except KeyboardInterrupt:
+    stopped = True
+with open(os.path.join(out, f"stop-{index}.json"), "w") as f:
+    json.dump({"stopped": stopped, "batches": len(batches)}, f)
+"""
+
+
+def test_a_ctrl_c_on_one_worker_stops_every_worker_at_the_same_step(tmp_path):
+    """Worker 1 alone gets the Ctrl-C: both stop at the next step boundary (worker 0
+    would otherwise wait in the next step's all-reduce for a worker that left)."""
+    script = tmp_path / "stop.py"
+    script.write_text(textwrap.dedent(STOP))
+    ports = _ports(2)
+    processes = [_start(script, tmp_path / f"worker{i}", 1, TF_CONFIG=_tf_config(ports, i),
+                        KERAS_MULTIGPU_TIMEOUT="30")
+                 for i in range(2)]
+    outputs = _finish(processes, timeout=120)
+    results = []
+    for i, (process, output) in enumerate(zip(processes, outputs)):
+        assert process.returncode == 0, output[-4000:]
+        with open(tmp_path / f"worker{i}" / f"stop-{i}.json") as f:
+            results.append(json.load(f))
+    assert results == [{"stopped": True, "batches": 5}] * 2, results
 
 
 def test_a_worker_that_never_joins_is_an_error(tmp_path):

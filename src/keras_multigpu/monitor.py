@@ -34,7 +34,7 @@ import time
 
 import keras
 
-from keras_multigpu import _extras, _io
+from keras_multigpu import _extras, _io, processes
 from keras_multigpu import nvml as nvml_lib
 from keras_multigpu._keras import io_utils
 from keras_multigpu.diagnosis import communication_estimate, per_step, verdict
@@ -389,7 +389,7 @@ class DeviceMonitor(keras.callbacks.Callback):
         backend = getattr(self.model, "_backend", None)
         if gather and backend is not None and backend.process_count() > 1:
             try:
-                everyone = backend.all_gather_object(self._figures(timeline, links, uuids))
+                everyone = processes.all_gather_object(self._figures(timeline, links, uuids))
             except Exception as error:  # noqa: BLE001 - a peer gone at the end costs figures
                 logger.warning("DeviceMonitor: could not gather the other processes' figures "
                                "(%s); this process's figures only", error)

@@ -25,7 +25,7 @@ import keras
 import numpy as np
 from keras import tree
 
-from keras_multigpu import backends, batching, interrupt
+from keras_multigpu import backends, batching, interrupt, processes
 from keras_multigpu import devices as devices_lib
 from keras_multigpu._io import atomic_path, unreadable
 from keras_multigpu._keras import io_utils
@@ -123,6 +123,9 @@ class ParallelModel(keras.Model):
     def __init__(self, template, devices):
         backend = backends.current()
         distribution = backend.make_distribution(tuple(devices))
+        # Several processes: each takes process 0's random state (shuffling, dropout), as
+        # one process drawing for all of them would.
+        processes.agree_on_random_state()
         # Built in the engine's scope: TensorFlow's trainer takes its strategy from it.
         with backend.scope(distribution):
             super().__init__(name=template.name)

@@ -53,8 +53,10 @@ Every backend module defines the names in `API`:
 - `process_index()`, `process_count()`: this process's rank and the process
   count (the torch engine runs one process per device; the others, one per
   host).
-- `all_gather_object(value)`: a small host value (JSON-able) from every
-  process, in rank order, on every process (which must all call it).
+
+With several processes, each engine hands `keras_multigpu.processes` its
+key-value store when they join: the process rules (saves, random state,
+the stop agreement, `all_gather_object`) are written there once.
 """
 
 import functools
@@ -82,7 +84,6 @@ API = (
     "batch_spec",
     "process_index",
     "process_count",
-    "all_gather_object",
 )
 
 BACKENDS = ("jax", "tensorflow", "torch")

@@ -22,10 +22,11 @@ run by every process on the same data: each process computes the same
 global batch (the same order, drawn from the same seeds) and places only
 its own devices' rows of it (`_global`), and XLA's collectives (gloo between
 CPU processes, NCCL between GPUs) do the rest. `batch_size` is still the
-global batch, and the results are one device's. Process 0 alone writes
-files (`_process_zero_writes`), every process stops at the same step after
-a Ctrl-C (`_agree_to_stop`), and a process that fails leaves at once, so
-that the others fail too instead of waiting (`_leave_at_once_on_failure`).
+global batch, and the results are one device's. The process rules (process 0
+alone writes files, every process takes its random state and stops at the same
+step after a Ctrl-C) are `keras_multigpu.processes`', over `jax.distributed`'s
+key-value store; and a process that fails leaves at once, so that the others
+fail too instead of waiting (`_leave_at_once_on_failure`).
 """
 
 import atexit
@@ -36,7 +37,6 @@ import json
 import logging
 import math
 import os
-import random
 import socket
 import struct
 import sys
@@ -51,10 +51,8 @@ import numpy as np
 from jax._src import distributed as jax_distributed
 from jax._src import xla_bridge
 
-from keras_multigpu import _xla, interrupt, rules
+from keras_multigpu import _xla, processes, rules
 from keras_multigpu import devices as devices_lib
-from keras_multigpu._io import atomic_path
-from keras_multigpu._keras import saving_api
 from keras_multigpu._keras.jax import distribution_lib as keras_jax_distribution
 from keras_multigpu.backends._marker import tag, untag  # noqa: F401 (the seam's names)
 from keras_multigpu.devices import Device
@@ -235,29 +233,6 @@ def _reach_coordinator(address, port, rank, world, timeout):
                 time.sleep(min(0.2, max(deadline - time.monotonic(), 0.0)))
 
 
-def _listed(value):
-    return [_listed(v) for v in value] if isinstance(value, (tuple, list)) else value
-
-
-def _tupled(value):
-    return tuple(_tupled(v) for v in value) if isinstance(value, list) else value
-
-
-def _random_state():
-    """Python's and NumPy's global generators, as JSON."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    return json.dumps({"python": _listed(random.getstate()),
-                       "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)]}
-                      ).encode()
-
-
-def _set_random_state(payload):
-    state = json.loads(payload)
-    random.setstate(_tupled(state["python"]))
-    kind, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((kind, np.asarray(keys, "uint32"), pos, has_gauss, gauss))
-
-
 def _local_device_ids():
     """With several processes on one host (LOCAL_WORLD_SIZE > 1), each takes an equal share
     of its GPUs: JAX would give every one of them all. CPU devices are each process's own."""
@@ -304,9 +279,9 @@ def _join():
     timeout = _timeout()
     local_device_ids = _local_device_ids()
     if rank == 0:
-        _await_peers(port, world, timeout, _random_state())
+        _await_peers(port, world, timeout, b"")
     else:
-        _set_random_state(_reach_coordinator(address, port, rank, world, timeout))
+        _reach_coordinator(address, port, rank, world, timeout)
     coordinator = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
     if "JAX_ENABLE_PREEMPTION_SERVICE" not in os.environ:
         # JAX's preemption service catches SIGTERM (to checkpoint at a sync point, which
@@ -328,76 +303,29 @@ def _join():
     _set_up_processes()
 
 
+class _Store(processes.Store):
+    """`jax.distributed`'s key-value store (its coordination service)."""
+
+    def __init__(self):
+        state = jax_distributed.global_state  # not jax.process_index(): it would start JAX
+        self.rank, self.count, self._client = state.process_id, state.num_processes, state.client
+
+    def set(self, key, value):
+        self._client.key_value_set(key, value)
+
+    def get(self, key, timeout):
+        return self._client.blocking_key_value_get(key, int(timeout * 1000))
+
+    def delete(self, key):
+        self._client.key_value_delete(key)
+
+
 @functools.cache
 def _set_up_processes():
-    """What several processes need once joined: saving, stopping and failing together."""
-    _install_process_rules()
-    interrupt.set_agreement(_agree_to_stop)
+    """What several processes need once joined: the process rules (saving, stopping
+    and random state, see `keras_multigpu.processes`), and failing together."""
+    processes.join(_Store())
     _leave_at_once_on_failure()
-
-
-def _agree_to_stop(requested):
-    """Whether any process was asked to stop (Ctrl-C): all stop at the same step boundary.
-
-    A process that stopped alone would leave the others waiting in the next step's
-    collectives. One exchange of a flag per boundary (every process reaches the same
-    boundaries, in the main thread); a process that does not reach it within
-    KERAS_MULTIGPU_TIMEOUT (it hangs) is named, and this process fails.
-    """
-    flags = _exchange("the step boundary where every process checks for Ctrl-C",
-                      "1" if requested else "0")
-    return "1" in flags
-
-
-class CollectiveError(RuntimeError):
-    """Another process did not arrive at an exchange within KERAS_MULTIGPU_TIMEOUT."""
-
-
-_exchanges = iter(range(1 << 62))  # every process numbers its exchanges alike
-_CHUNK = 1 << 20  # bytes per key: the coordination service's messages stay small
-
-
-def _exchange(what, value):
-    """`value` (a str) from every process, in rank order, on every process (which must all
-    call it at the same point), through `jax.distributed`'s key-value store.
-
-    `multihost_utils.process_allgather` would wait for ever for a process that hangs;
-    here one that does not arrive within KERAS_MULTIGPU_TIMEOUT is named in a
-    `CollectiveError`. Each process deletes its previous exchange's keys: every process
-    has read them by the time it writes the next.
-    """
-    number = next(_exchanges)
-    client = jax_distributed.global_state.client
-    me, world = jax.process_index(), jax.process_count()
-    data = value.encode()
-    chunks = [data[i:i + _CHUNK] for i in range(0, len(data), _CHUNK)] or [b""]
-    prefix = f"keras_multigpu/exchange/{number}"
-    for i, chunk in enumerate(chunks):
-        client.key_value_set_bytes(f"{prefix}/{me}/{i}", chunk)
-    client.key_value_set(f"{prefix}/{me}/count", str(len(chunks)))
-    timeout = _timeout()
-    values = []
-    for rank in range(world):
-        if rank == me:
-            values.append(value)
-            continue
-        try:
-            count = int(client.blocking_key_value_get(f"{prefix}/{rank}/count",
-                                                      int(timeout * 1000)))
-            values.append(b"".join(
-                client.blocking_key_value_get_bytes(f"{prefix}/{rank}/{i}", int(timeout * 1000))
-                for i in range(count)).decode())
-        except Exception as error:  # noqa: BLE001 (XLA's own error types)
-            raise CollectiveError(
-                f"Process {me} of {world} waited {timeout:g} s ({TIMEOUT_ENV}) for process "
-                f"{rank} at {what}, and it did not get there: it hangs, is far behind, or "
-                "has stopped (see its own output). Every process must run the same program; "
-                f"raise {TIMEOUT_ENV} if one is slow for good reason."
-            ) from error
-    if number:
-        with contextlib.suppress(Exception):
-            client.key_value_delete(f"keras_multigpu/exchange/{number - 1}/{me}")
-    return values
 
 
 _failure = []  # the type of the exception this process is ending with, if any
@@ -433,74 +361,6 @@ def _exit_if_failed():
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(130 if issubclass(_failure[0], KeyboardInterrupt) else 1)
-
-
-# -- several processes: files -----------------------------------------------------
-
-_saves = {}  # file name -> saves of that name this process made (every process counts alike)
-
-
-def _process_zero_writes(function):
-    """Keras's save function, run by process 0 alone (one file, not one per process,
-    written atomically). Every process must call it, as an unchanged Keras script
-    does: any other process returns once process 0 has written its matching save (the
-    file is readable then, on a shared file system), or fails with process 0's error.
-
-    Saves match by file name and count (the 3rd save of `model.keras` on each
-    process), not by whole path: a path may hold the process id (the project's
-    `Checkpoint` writes into a per-process temporary folder). Process 0 never waits
-    for the others, so the saves it makes alone (a `BackupAndRestore`'s, which the
-    other processes run as restore-only) cost nothing and shift no count.
-    """
-
-    @functools.wraps(function)
-    def wrapper(model, filepath, *args, **kwargs):
-        if jax.process_count() == 1:
-            return function(model, filepath, *args, **kwargs)
-        try:
-            path = os.path.abspath(os.fspath(filepath))
-        except TypeError:  # a file object: only process 0 writes to it
-            return function(model, filepath, *args, **kwargs) if jax.process_index() == 0 else None
-        name = os.path.basename(path)
-        _saves[name] = count = _saves.get(name, 0) + 1
-        key = f"keras_multigpu/saved/{count}/{name}"
-        client = jax_distributed.global_state.client
-        if jax.process_index() == 0:
-            suffix = next((s for s in (".weights.h5", ".keras", ".h5") if path.endswith(s)), "")
-            try:
-                if not kwargs.pop("overwrite", True) and os.path.exists(path):
-                    raise FileExistsError(f"{path} exists and overwrite=False.")
-                with atomic_path(path, suffix) as tmp:
-                    result = function(model, tmp, *args, **kwargs)
-            except BaseException as error:
-                client.key_value_set(key, f"{type(error).__name__}: {error}")
-                raise
-            client.key_value_set(key, "")
-            return result
-        timeout = _timeout()
-        try:
-            outcome = client.blocking_key_value_get(key, int(timeout * 1000))
-        except Exception as error:  # noqa: BLE001 (XLA's own error types)
-            raise RuntimeError(
-                f"Process {jax.process_index()} waited {timeout:g} s ({TIMEOUT_ENV}) for "
-                f"process 0 to write its save number {count} of {name} (as {path} here), "
-                "and it did not. Every process must save at the same points of the "
-                "program (process 0 writes the file)."
-            ) from error
-        if outcome:
-            raise RuntimeError(f"Process 0 could not write {name} (save number {count}): "
-                               f"{outcome}")
-        return None
-
-    wrapper._keras_multigpu_original = function
-    return wrapper
-
-
-def _install_process_rules():
-    for name in ("save_model", "save_weights"):
-        function = getattr(saving_api, name)
-        if not hasattr(function, "_keras_multigpu_original"):
-            setattr(saving_api, name, _process_zero_writes(function))
 
 
 # -- the engine -------------------------------------------------------------------
@@ -661,9 +521,8 @@ def _replicated_across_processes(variables, target):
         checked.append((variable, _fingerprint(host)))
     if checked:
         mine = [f for _, f in checked]
-        everyone = [json.loads(v) for v in _exchange(
-            "the start of a call, where every process checks that the weights are the same",
-            json.dumps(mine))]
+        everyone = processes.all_gather_object(
+            mine, "the start of a call, where every process checks that the weights are the same")
         differ = [variable.path for i, (variable, _) in enumerate(checked)
                   if any(other[i] != mine[i] for other in everyone)]
         if differ:
@@ -976,13 +835,6 @@ def process_index():
 
 def process_count():
     return jax.process_count()
-
-
-def all_gather_object(value):
-    """`value` (JSON-able) from every process, in rank order; every process calls it."""
-    if jax.process_count() == 1:
-        return [value]
-    return [json.loads(v) for v in _exchange("a gather of host figures", json.dumps(value))]
 
 
 # Several processes (hosts): join before anything starts JAX (see `_join`). Importing

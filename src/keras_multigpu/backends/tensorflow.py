@@ -35,17 +35,16 @@ its runtime starts) or given a clear error after KERAS_MULTIGPU_TIMEOUT
 seconds. Replica indexes and counts are global (worker-major), and every
 worker's devices get only their own contiguous runs of each global batch
 (`_MultiWorker.experimental_distribute_dataset`), so the rules above hold
-unchanged. Worker 0 alone writes Keras files, atomically, and the others
-wait for it.
+unchanged. The process rules (worker 0 alone writes Keras files, every worker
+takes worker 0's random state and stops at the same step after a Ctrl-C) are
+`keras_multigpu.processes`', over the coordination service's key-value store.
 """
 
-import base64
 import concurrent.futures
 import contextlib
 import functools
 import json
 import os
-import pickle
 import random
 import threading
 import warnings
@@ -59,12 +58,10 @@ from tensorflow.python.distribute import multi_worker_util
 from tensorflow.python.distribute.cluster_resolver import tfconfig_cluster_resolver
 from tensorflow.python.eager import context as tf_context
 
-from keras_multigpu import _keras, rules
-from keras_multigpu._io import atomic_path
+from keras_multigpu import _keras, processes, rules
 from keras_multigpu._keras import (
     base_layer,
     loss_module,
-    saving_api,
 )
 from keras_multigpu._keras.tensorflow import DRAWS
 from keras_multigpu._keras.tensorflow import optimizer as tf_optimizer
@@ -455,33 +452,6 @@ def process_count():
     return 1 if _workers is None else _workers.count
 
 
-_gathers = iter(range(1 << 62))  # every worker numbers its gathers alike: keys of one call
-
-
-def all_gather_object(value):
-    """`value` (JSON-able) from every worker, in rank order; every worker calls it.
-
-    Host values, not tensors: through the coordination service's key-value
-    store that MultiWorkerMirroredStrategy already runs, not a collective.
-    """
-    if process_count() == 1:
-        return [value]
-    prefix = f"keras_multigpu/gather/{next(_gathers)}"
-    context = tf_context.context()
-    context.set_config_key_value(f"{prefix}/{process_index()}", json.dumps(value))
-    values = []
-    for rank in range(process_count()):
-        try:
-            values.append(json.loads(context.get_config_key_value(
-                f"{prefix}/{rank}", timeout_in_ms=int(1000 * _timeout()))))
-        except tf.errors.OpError as error:
-            raise RuntimeError(
-                f"Worker {process_index()} of {process_count()}: worker {rank} did not give "
-                f"its figures within {_timeout():g} s (KERAS_MULTIGPU_TIMEOUT): it hangs, is "
-                f"far behind, or has stopped. TensorFlow said: {error.message}") from error
-    return values
-
-
 # -- the rules, in force inside `scope` ---------------------------------
 
 
@@ -778,7 +748,9 @@ class _MultiWorker(tf.distribute.MultiWorkerMirroredStrategy):
         local = len(self.extended.worker_devices)
         first = self.extended._id_in_cluster * local
 
-        def parts(element):
+        def parts(*element):  # tf.data unpacks a tuple element into arguments
+            element = element[0] if len(element) == 1 else element
+
             def part(i):
                 def cut(a):
                     if not isinstance(a, tf.Tensor):
@@ -803,8 +775,6 @@ class _Workers:
         self.strategy = strategy
         self.index = strategy.extended._id_in_cluster
         self.count = strategy.extended._num_workers
-        self.calls = 0  # multi_gpu_model calls: each agrees on the random state anew
-        self.saves = 0
 
     def who(self):
         return f"Worker {self.index} of {self.count} ({self.task_type} {self.task_id} in TF_CONFIG)"
@@ -824,75 +794,47 @@ class _Workers:
                 f"{', '.join(map(str, devices))}. Pass gpus=None, or limit the devices each "
                 "worker sees (CUDA_VISIBLE_DEVICES, KERAS_MULTIGPU_CPU_DEVICES)."
             )
-        self._agree_on_random_state()
         return Engine(devices, self.strategy)
 
-    def _agree_on_random_state(self):
-        """Every worker takes worker 0's Python, NumPy and TensorFlow random state.
 
-        Shuffling (NumPy's, Python's, TensorFlow's `tf.data` seeds) must draw the
-        same global batches on every worker, as the torch engine's ranks do.
-        """
-        self.calls += 1
-        key = f"keras_multigpu/random/{self.calls}"
-        context = tf_context.context()
-        if self.index == 0:
-            seed = context._seed
-            if seed is None:  # no global seed: every worker's op seeds would differ
-                seed = random.SystemRandom().randrange(2**31)
-                tf.random.set_seed(seed)
-            state = (random.getstate(), np.random.get_state(), seed)
-            context.set_config_key_value(key, base64.b64encode(pickle.dumps(state)).decode())
-            return
-        value = self._wait("random state from worker 0", context.get_config_key_value, key,
-                           int(_timeout() * 1000))
-        python, numpy, seed = pickle.loads(base64.b64decode(value))  # noqa: S301 (worker 0's)
-        random.setstate(python)
-        np.random.set_state(numpy)
-        if context._seed != seed:
-            tf.random.set_seed(seed)
-
-    def _wait(self, what, function, *args):
-        try:
-            return function(*args)
-        except tf.errors.OpError as error:
-            raise RuntimeError(
-                f"{self.who()}: waiting for the {what} failed: another worker did not get "
-                f"there within {TIMEOUT_ENV}={_timeout():g} s, or has stopped (see its own "
-                f"error). Every worker must run the same program. TensorFlow said: "
-                f"{error.message.splitlines()[0] if error.message else error}"
-            ) from error
-
-    def barrier(self, what):
-        self.saves += 1
-        self._wait(what, tf_context.context().wait_at_barrier,
-                   f"keras_multigpu/{self.saves}", int(_timeout() * 1000))
+def _global_seed():
+    """TensorFlow's global seed (tf.data's shuffles draw their op seeds from it), chosen
+    here where none is set: every worker's op seeds would differ."""
+    seed = tf_context.context()._seed
+    if seed is None:
+        seed = random.SystemRandom().randrange(2**31)
+        tf.random.set_seed(seed)
+    return seed
 
 
-def _worker_zero_writes(function):
-    """Keras's save function, run by worker 0 alone (one file, written atomically), then a
-    barrier: when it returns, every worker can read the file. Every worker must call it, as
-    an unchanged Keras script does."""
+def _set_global_seed(seed):
+    if tf_context.context()._seed != seed:
+        tf.random.set_seed(seed)
 
-    @functools.wraps(function)
-    def wrapper(model, filepath, *args, **kwargs):
-        if _workers is None:
-            return function(model, filepath, *args, **kwargs)
-        result = None
-        if _workers.index == 0:
-            path = os.fspath(filepath)
-            suffix = next((s for s in (".weights.h5", ".keras", ".h5") if path.endswith(s)), "")
-            with atomic_path(path, suffix) as tmp:
-                # In a thread of its own, outside the strategy's scope (thread-local): Keras's
-                # saving creates variables (a throwaway optimizer), and a variable created in
-                # the scope of a call (ModelCheckpoint, Checkpoint) is broadcast to every
-                # worker, which waits for the others forever when only worker 0 saves.
-                with concurrent.futures.ThreadPoolExecutor(1) as thread:
-                    result = thread.submit(function, model, tmp, *args, **kwargs).result()
-        _workers.barrier("barrier after a save (every worker must call save; worker 0 writes)")
-        return result
 
-    return wrapper
+class _Store(processes.Store):
+    """The coordination service's key-value store, which MultiWorkerMirroredStrategy runs."""
+
+    def __init__(self, workers):
+        self.rank, self.count = workers.index, workers.count
+        self.generator = (_global_seed, _set_global_seed)
+
+    def set(self, key, value):
+        tf_context.context().set_config_key_value(key, value)
+
+    def get(self, key, timeout):
+        return tf_context.context().get_config_key_value(key, timeout_in_ms=int(timeout * 1000))
+
+    def delete(self, key):
+        tf_context.context().delete_config_key_value(key)
+
+    def alone(self, function, *args, **kwargs):
+        # In a thread of its own, outside the strategy's scope (thread-local): Keras's
+        # saving creates variables (a throwaway optimizer), and a variable created in the
+        # scope of a call (ModelCheckpoint, Checkpoint) is broadcast to every worker, which
+        # waits for the others forever when only worker 0 saves.
+        with concurrent.futures.ThreadPoolExecutor(1) as thread:
+            return thread.submit(function, *args, **kwargs).result()
 
 
 def _join(spec, task_type, task_id):
@@ -949,9 +891,9 @@ def _join(spec, task_type, task_id):
         ) from error
     finally:
         tf_collective.CollectiveAllReduceExtended._initialize_local_devices = local_devices
-    for name in ("save_model", "save_weights"):
-        setattr(saving_api, name, _worker_zero_writes(getattr(saving_api, name)))
-    return _Workers(spec, task_type, task_id, strategy)
+    workers = _Workers(spec, task_type, task_id, strategy)
+    processes.join(_Store(workers))
+    return workers
 
 
 def _start():

@@ -18,17 +18,15 @@ reductions, `Mean` updates, BatchNorm moments (whose gradients flow back through
 rank's rows), batch-shaped draws and dropout, metric results.
 - `predict` all-gathers the rows: every rank returns every row, in order.
 
-Only rank 0 writes Keras files (`save`, `save_weights`, checkpoints), atomically,
-and every save and every call ends at a barrier, so every rank can then read
-them.
+The process rules (rank 0 alone writes Keras files, every rank takes rank 0's
+random state and stops at the same step after a Ctrl-C) are
+`keras_multigpu.processes`', over the process group's key-value store.
 """
 
 import atexit
 import contextlib
 import datetime
-import functools
 import os
-import random
 import shlex
 import sys
 import threading
@@ -41,9 +39,8 @@ import torch.distributed as dist
 from keras import tree
 
 from keras_multigpu import devices as devices_lib
-from keras_multigpu import interrupt, rules
-from keras_multigpu._io import atomic_path
-from keras_multigpu._keras import base_optimizer, saving_api
+from keras_multigpu import processes, rules
+from keras_multigpu._keras import base_optimizer
 from keras_multigpu._keras.torch import DRAWS
 from keras_multigpu._keras.torch import random as torch_random
 from keras_multigpu.backends._marker import tag, untag  # noqa: F401 (the seam's names)
@@ -160,17 +157,29 @@ def _join():
             "Start every process with `keras-multigpu launch` (or torchrun), with the same "
             "MASTER_ADDR and MASTER_PORT."
         ) from error
-    # Every rank draws what rank 0 draws: shuffling, Keras's default seeds, dropout.
-    states = [random.getstate(), np.random.get_state(), torch.get_rng_state(),
-              torch.cuda.get_rng_state() if torch.cuda.is_available() else None]
-    dist.broadcast_object_list(states, src=0)
-    random.setstate(states[0])
-    np.random.set_state(states[1])
-    torch.set_rng_state(states[2])
-    if states[3] is not None:
-        torch.cuda.set_rng_state(states[3])
-    _install_process_rules()
+    # The process rules: rank 0 writes, every rank draws what rank 0 draws (shuffling,
+    # Keras's default seeds, dropout), and all stop at the same step after a Ctrl-C.
+    processes.join(_Store())
     atexit.register(_leave)
+
+
+class _Store(processes.Store):
+    """The key-value store the process group was made with (the launcher's TCPStore)."""
+
+    def __init__(self):
+        self.rank, self.count = dist.get_rank(), dist.get_world_size()
+        self.generator = (random_state, set_random_state)  # torch's own
+        self._store = dist.distributed_c10d._get_default_store()
+
+    def set(self, key, value):
+        self._store.set(key, value)
+
+    def get(self, key, timeout):
+        self._store.wait([key], datetime.timedelta(seconds=timeout))
+        return self._store.get(key).decode()
+
+    def delete(self, key):
+        self._store.delete_key(key)
 
 
 def _leave():
@@ -345,15 +354,6 @@ def process_count():
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def all_gather_object(value):
-    """`value` (picklable) from every process, in rank order; every process calls it."""
-    if process_count() == 1:
-        return [value]
-    gathered = [None] * dist.get_world_size()
-    _collective("gather of host figures", dist.all_gather_object, gathered, value)
-    return gathered
-
-
 # -- the step ---------------------------------------------------------------
 
 
@@ -504,46 +504,3 @@ def scope(distribution):
             yield
     finally:
         _installed.engine = None
-
-
-# -- process-wide, once joined --------------------------------------------
-
-
-def _rank_zero_writes(function):
-    """Keras's save function, run by rank 0 alone (one file, not one per process, written
-    atomically), then a barrier: when it returns, every process can read the file.
-
-    Every process must call it, as an unchanged Keras script does.
-    """
-
-    @functools.wraps(function)
-    def wrapper(model, filepath, *args, **kwargs):
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
-            return function(model, filepath, *args, **kwargs)
-        result = None
-        if dist.get_rank() == 0:
-            path = os.fspath(filepath)
-            suffix = next((s for s in (".weights.h5", ".keras", ".h5") if path.endswith(s)), "")
-            with atomic_path(path, suffix) as tmp:
-                result = function(model, tmp, *args, **kwargs)
-        _collective("barrier after a save (every process must call save; rank 0 writes)",
-                    dist.barrier)
-        return result
-
-    return wrapper
-
-
-def _agree_to_stop(requested):
-    """Whether any process was asked to stop (Ctrl-C): all stop at the same step."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return requested
-    flag = torch.tensor([1 if requested else 0], dtype=torch.int32, device=_device())
-    _collective("check for a stop request", dist.all_reduce, flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
-
-
-def _install_process_rules():
-    for name in ("save_model", "save_weights"):
-        setattr(saving_api, name, _rank_zero_writes(getattr(saving_api, name)))
-    interrupt.set_agreement(_agree_to_stop)
-
