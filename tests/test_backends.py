@@ -14,15 +14,27 @@ from keras_multigpu.devices import Device
 
 def test_backend_names():
     assert backends.BACKENDS == ("jax", "tensorflow", "torch")
-    assert len(set(backends.API)) == len(backends.API) == 21
-    assert "resident" in backends.API
+    assert len(set(backends.API)) == len(backends.API) == 9
+    optional = [name for names in backends.CAPABILITY_NAMES.values() for name in names]
+    assert len(set(optional)) == len(optional) and not set(optional) & set(backends.API)
 
 
 @pytest.mark.parametrize("name", backends.BACKENDS)
-def test_every_backend_defines_the_api(name):
+def test_every_backend_defines_the_api_and_exactly_its_capabilities(name):
+    """A capability an engine lacks is data (absent from CAPABILITIES), not a function
+    that does nothing; one it has is defined."""
     module = importlib.import_module(f"{backends.__name__}.{name}")
     missing = [api for api in backends.API if not callable(getattr(module, api, None))]
     assert missing == []
+    assert module.CAPABILITIES <= set(backends.CAPABILITY_NAMES)
+    for capability, names in backends.CAPABILITY_NAMES.items():
+        defined = [n for n in names if callable(getattr(module, n, None))]
+        assert defined == (list(names) if capability in module.CAPABILITIES else []), capability
+
+
+def test_an_unknown_capability_is_named():
+    with pytest.raises(KeyError, match="No capability 'speed'"):
+        backends.has(backends.current(), "speed")
 
 
 def test_current_is_the_jax_module():

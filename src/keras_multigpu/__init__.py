@@ -61,5 +61,5 @@ else:
         # starts).
         _backends.current()
 
-    if _cpu_device_count():
+    if _cpu_device_count() and _backends.has(_backends.current(), "cpu_devices"):
         _backends.current().configure_cpu_devices(_cpu_device_count())

@@ -125,7 +125,9 @@ def _prepare_devices(gpus):
     if gpus is not None and all(d.kind == "cpu" for d in devices_lib.list_devices()):
         if devices_lib.cpu_device_count() is None:
             needed = max(gpus) + 1 if isinstance(gpus, list) else max(gpus, 1)
-            backends.current().configure_cpu_devices(needed)
+            backend = backends.current()
+            if backends.has(backend, "cpu_devices"):
+                backend.configure_cpu_devices(needed)
             devices_lib.list_devices.cache_clear()
     try:
         devices_lib.select(gpus, devices_lib.list_devices())

@@ -31,6 +31,7 @@ import contextlib
 import ctypes
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -40,10 +41,54 @@ import time
 
 TAIL_LINES = 15
 GRACE_SECONDS = 10.0
+# Set to 0 to train on one device instead of relaunching `python script.py` (an engine
+# that runs one process per device: torch's).
+RELAUNCH_ENV = "KERAS_MULTIGPU_RELAUNCH"
+_LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 class LaunchError(Exception):
     """A launch that cannot start: a bad script, port or count."""
+
+
+def launched():
+    """Whether this process was started by a launcher (this one, or torchrun)."""
+    return all(name in os.environ for name in _LAUNCH_VARIABLES)
+
+
+def relaunch_allowed():
+    return os.environ.get(RELAUNCH_ENV, "1") != "0"
+
+
+def _script_command():
+    """The command that runs this script again, or None where there is none (a REPL)."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    path = getattr(main, "__file__", None)
+    if hasattr(sys, "ps1") or sys.flags.interactive or path is None or not os.path.isfile(path):
+        return None
+    if spec is not None and spec.name and spec.name != "__main__":
+        return ["-m", spec.name.removesuffix(".__main__"), *sys.argv[1:]]
+    return [path, *sys.argv[1:]]
+
+
+def relaunch(count):
+    """Runs this script again under `keras-multigpu launch -n count` (never returns), for an
+    engine that runs one process per device when `python script.py` asked for several."""
+    command = _script_command()
+    if command is None:
+        raise RuntimeError(
+            f"This engine runs one process per device, and this interactive session "
+            f"cannot be relaunched on {count} processes. Save the code as a script and run "
+            f"`keras-multigpu launch -n {count} script.py`, or pass gpus=1 to "
+            "multi_gpu_model to train on one device here."
+        )
+    args = [sys.executable, "-m", "keras_multigpu.cli", "launch", "-n", str(count), *command]
+    sys.stdout.flush()
+    print(f"keras_multigpu: relaunching as `keras-multigpu launch -n {count} "
+          f"{shlex.join(command)}` (one process per device; set {RELAUNCH_ENV}=0 to train on "
+          "one device instead).", file=sys.stderr, flush=True)
+    os.execv(sys.executable, args)
 
 
 def free_port(address="127.0.0.1"):

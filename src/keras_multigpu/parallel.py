@@ -25,7 +25,7 @@ import keras
 import numpy as np
 from keras import tree
 
-from keras_multigpu import backends, batching, interrupt, processes
+from keras_multigpu import backends, batching, interrupt, launch, processes
 from keras_multigpu import devices as devices_lib
 from keras_multigpu._io import atomic_path, unreadable
 from keras_multigpu._keras import io_utils
@@ -66,8 +66,12 @@ def multi_gpu_model(model, gpus=None):
             "call, or train without multi_gpu_model."
         )
     backend = backends.current()
-    backend.check_model(model)
+    if backends.has(backend, "check_model"):
+        backend.check_model(model)
     chosen = devices_lib.select(gpus, backend.list_devices())
+    if backends.has(backend, "process_per_device") and len(chosen) > 1 \
+            and not launch.launched():
+        launch.relaunch(len(chosen))  # as `keras-multigpu launch -n N` (does not return)
     return ParallelModel(model, chosen)
 
 
@@ -210,9 +214,10 @@ class ParallelModel(keras.Model):
         finally:
             self._active -= 1
             if not self._active:
-                variables, optimizers = self._state()
-                self._backend.release(variables, self._distribution, optimizers=optimizers,
-                                      failed=failed)
+                if backends.has(self._backend, "release"):
+                    variables, optimizers = self._state()
+                    self._backend.release(variables, self._distribution, optimizers=optimizers,
+                                          failed=failed)
 
     def reset_metrics(self):
         # Keras resets metrics at every epoch and evaluate with fresh arrays on
@@ -250,7 +255,8 @@ class ParallelModel(keras.Model):
             # front, the model's step creates what it needs (in the engine's scope).
             self.built = True
             return
-        if iterator is not None and data_batch is None:
+        if iterator is not None and data_batch is None \
+                and backends.has(self._backend, "batch_spec"):
             data_batch = self._backend.batch_spec(iterator)
         with self._scope():
             self._symbolic_build(data_batch=data_batch)
@@ -290,29 +296,32 @@ class ParallelModel(keras.Model):
             super().compile(
                 optimizer=template.optimizer,
                 steps_per_execution=template.steps_per_execution,
-                jit_compile=self._backend.jit_compile(template.jit_compile),
+                jit_compile=template.jit_compile if backends.has(self._backend, "jit")
+                else False,
                 run_eagerly=template.run_eagerly,
             )
         self._synced_compile = config
 
     # -- the template's steps ---------------------------------------------
 
+    def _watched(self, function, what):
+        if not backends.has(self._backend, "watch"):
+            return function
+        return self._backend.watch(function, self._distribution, what)
+
     def make_train_function(self, force=False):
         super().make_train_function(force)
-        self.train_function = self._backend.watch(self.train_function, self._distribution,
-                                                  "a training step")
+        self.train_function = self._watched(self.train_function, "a training step")
         return self.train_function
 
     def make_test_function(self, force=False):
         super().make_test_function(force)
-        self.test_function = self._backend.watch(self.test_function, self._distribution,
-                                                 "an evaluation step")
+        self.test_function = self._watched(self.test_function, "an evaluation step")
         return self.test_function
 
     def make_predict_function(self, force=False):
         super().make_predict_function(force)
-        self.predict_function = self._backend.watch(self.predict_function, self._distribution,
-                                                    "a prediction step")
+        self.predict_function = self._watched(self.predict_function, "a prediction step")
         return self.predict_function
 
     def train_step(self, *args):
@@ -334,6 +343,8 @@ class ParallelModel(keras.Model):
 
     def resident_budget(self):
         """Bytes of array data `fit` keeps on every device (see RESIDENT_FRACTION)."""
+        if not backends.has(self._backend, "free_memory"):
+            return RESIDENT_LIMIT_BYTES
         free = self._backend.free_memory(self._devices)
         if any(f is None for f in free):
             return RESIDENT_LIMIT_BYTES
@@ -341,23 +352,29 @@ class ParallelModel(keras.Model):
 
     def _place(self, arrays):
         """Keeps array data on the devices when it fits the budget (see README)."""
+        if not backends.has(self._backend, "resident"):
+            return None
         size = sum(leaf.nbytes for leaf in tree.flatten(arrays) if leaf is not None)
         if size > self.resident_budget():
             return None
         return self._backend.resident(arrays, self._distribution)
 
     def _put(self, batch):
+        if not backends.has(self._backend, "shard"):
+            return batch
         return self._backend.shard(batch, self._distribution)
 
     def _padded(self, x, y=None, sample_weight=None, **kwargs):
         _check_names(self.template, x, "x", "input")
         _check_names(self.template, y, "y", "output")
         backend = self._backend
-        return batching.as_padded(x, y, sample_weight, replicas=self.num_replicas,
-                                  tag=backend.tag, place=self._place, put=self._put,
-                                  engine_state=backend.random_state,
-                                  set_engine_state=backend.set_random_state,
-                                  to_backend=backend.to_backend, **kwargs)
+        generator = backends.has(backend, "generator")
+        return batching.as_padded(
+            x, y, sample_weight, replicas=self.num_replicas, tag=backend.tag, place=self._place,
+            put=self._put, engine_state=backend.random_state if generator else None,
+            set_engine_state=backend.set_random_state if generator else None,
+            to_backend=backend.to_backend if backends.has(backend, "to_backend") else None,
+            **kwargs)
 
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
             callbacks=None, validation_split=0.0, validation_data=None,

@@ -3,37 +3,17 @@
 `current()` picks the module once, from `keras.backend.backend()`. Nothing
 outside this package branches on the backend's name.
 
-Every backend module defines the names in `API`:
+Every backend module defines the names in `API`, each with one meaning:
 
-- `configure_cpu_devices(count)`: ask for `count` virtual CPU devices; must
-  run before the framework starts. Returns False when it is too late.
 - `list_devices()`: the engine's devices as `keras_multigpu.Device` records
   (this starts the framework).
 - `make_distribution(devices)`: the engine object that replicates variables
   and splits each batch over `devices`.
-- `check_model(model)`: refuse a model the engine cannot take over (one
-  that another engine's scope owns).
 - `scope(distribution)`: a context manager in which the engine's steps run
   and new variables are created replicated.
-- `jit_compile(value)`: the `jit_compile` the engine's steps can take.
 - `replicate(variables, distribution, optimizers=())`: place existing
   variables on every device of `distribution` (models are usually built
   before it exists), and point the model's `optimizers` at the engine.
-- `release(variables, distribution, optimizers=(), failed=False)`: at the
-  end of a call (`failed`: ended by an exception), leave the variables
-  usable by the model alone (outside the engine).
-- `resident(arrays, distribution)`: place a dataset on the devices once and
-  return `take(index)`, which gathers a batch there, already split.
-- `shard(arrays, distribution)`: place one host batch on the devices, split
-  along the batch axis, without waiting for the copy.
-- `random_state()`, `set_random_state(state)`: the framework's own global
-  generator, which Keras's adapters may draw orders from (torch's), as plain
-  data; None where Keras's adapters draw from none (Python's and NumPy's are
-  kept by `batching`).
-- `to_backend(batch)`: a served batch as the backend's trainer takes it from
-  a `DataLoader` (torch tensors); the batch itself elsewhere.
-- `free_memory(devices)`: bytes free on each device (CPU devices: an equal
-  share of the host's available memory), None where unknown.
 - `tag(batch, rows, replicas)`: on the host, a padded batch (its real rows
   first) as handed to Keras, marked with its real row count `rows`.
 - `untag(data)`: inside the compiled step, the real rows of a tagged batch
@@ -44,15 +24,55 @@ Every backend module defines the names in `API`:
   engine needs around it to make the result one device's (the TensorFlow
   and torch engines weigh each replica's reductions there). `rows_out`
   (predict): the result has a row per input row, and must hold all of them.
-- `watch(function, distribution, what)`: one of Keras's compiled steps
-  (`what` names it), ended with a clear message where a collective in it could
-  otherwise wait for ever.
-- `batch_spec(iterator)`: for trainers that build before tracing
-  (TensorFlow's), the batch structure as KerasTensors, without reading a
-  batch (None where the engine reads one itself).
 - `process_index()`, `process_count()`: this process's rank and the process
   count (the torch engine runs one process per device; the others, one per
   host).
+
+What an engine does beyond those is data: its `CAPABILITIES` names each
+capability it has, and it defines the functions of those (`CAPABILITY_NAMES`)
+and of no other. Where an engine lacks one, the caller does what one device
+would (the `check` test in tests/test_backends.py holds every engine to this):
+
+- "cpu_devices": `configure_cpu_devices(count)` asks for `count` virtual CPU
+  devices; it must run before the framework starts, and returns False when it
+  is too late (JAX, TensorFlow; torch runs a process per CPU device instead).
+- "check_model": `check_model(model)` refuses a model the engine cannot take
+  over (one that another tf.distribute strategy owns).
+- "jit": the steps are compiled as the model asks (`jit_compile`); without
+  it they are not (TensorFlow: replicas see batches of varying size, and Keras
+  turns XLA off under tf.distribute; torch: the rules are Python, which
+  `torch.compile` would trace away).
+- "release": `release(variables, distribution, optimizers=(), failed=False)`
+  leaves the variables usable by the model alone at the end of a call
+  (`failed`: ended by an exception); without it they serve it as they are
+  (JAX's replicated arrays).
+- "resident": `resident(arrays, distribution)` places a dataset on the
+  devices once and returns `take(index)`, which gathers a batch there,
+  already split (JAX); without it each batch travels from the host.
+- "shard": `shard(arrays, distribution)` places one host batch on the
+  devices, split along the batch axis, without waiting for the copy (JAX);
+  without it Keras's trainer takes the host batch (TensorFlow's distributed
+  dataset splits it; each torch process takes its share in `run_step`).
+- "free_memory": `free_memory(devices)`, bytes free on each device (CPU
+  devices: an equal share of the host's available memory), None where
+  unknown; without it the memory is unknown.
+- "watch": `watch(function, distribution, what)` ends one of Keras's
+  compiled steps (`what` names it) with a clear message where a collective
+  in it could otherwise wait for ever (JAX; torch's collectives end in an
+  error of their own, and TensorFlow's between one process's replicas cannot
+  be timed).
+- "generator": `random_state()`, `set_random_state(state)`, the framework's
+  own global generator, which Keras's adapters draw orders from (torch's), as
+  plain data; elsewhere they draw from Python's and NumPy's (or tf.data's op
+  seeds), which `batching` keeps.
+- "to_backend": `to_backend(batch)`, a served batch as the backend's trainer
+  takes it from a `DataLoader` (torch tensors); elsewhere the batch itself.
+- "batch_spec": `batch_spec(iterator)`, for trainers that build before
+  tracing (TensorFlow's), the batch structure as KerasTensors, without
+  reading a batch; elsewhere Keras's trainer reads its build batch itself.
+- "process_per_device": one process per device (torch): a script started
+  with `python` on several devices is relaunched by the launcher
+  (`keras_multigpu.launch.relaunch`).
 
 With several processes, each engine hands `keras_multigpu.processes` its
 key-value store when they join: the process rules (saves, random state,
@@ -63,28 +83,40 @@ import functools
 import importlib
 
 API = (
-    "configure_cpu_devices",
     "list_devices",
     "make_distribution",
-    "check_model",
     "scope",
-    "jit_compile",
     "replicate",
-    "release",
-    "resident",
-    "shard",
-    "random_state",
-    "set_random_state",
-    "to_backend",
-    "free_memory",
     "tag",
     "untag",
     "run_step",
-    "watch",
-    "batch_spec",
     "process_index",
     "process_count",
 )
+
+# Each capability, and the functions an engine that has it defines.
+CAPABILITY_NAMES = {
+    "cpu_devices": ("configure_cpu_devices",),
+    "check_model": ("check_model",),
+    "jit": (),
+    "release": ("release",),
+    "resident": ("resident",),
+    "shard": ("shard",),
+    "free_memory": ("free_memory",),
+    "watch": ("watch",),
+    "generator": ("random_state", "set_random_state"),
+    "to_backend": ("to_backend",),
+    "batch_spec": ("batch_spec",),
+    "process_per_device": (),
+}
+
+
+def has(backend, capability):
+    """Whether the engine `backend` (a module of this package) has `capability`."""
+    if capability not in CAPABILITY_NAMES:
+        raise KeyError(f"No capability {capability!r}: one of {sorted(CAPABILITY_NAMES)}.")
+    return capability in backend.CAPABILITIES
+
 
 BACKENDS = ("jax", "tensorflow", "torch")
 

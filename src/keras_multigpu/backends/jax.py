@@ -59,6 +59,9 @@ from keras_multigpu.devices import Device
 
 logger = logging.getLogger(__name__)
 
+# What this engine does beyond the seam's common names (see `keras_multigpu.backends`).
+CAPABILITIES = frozenset({"cpu_devices", "jit", "resident", "shard", "free_memory", "watch"})
+
 # Seconds a process waits for the others to join (and a non-first process for
 # the first one's save), as for the torch engine.
 TIMEOUT_ENV = devices_lib.TIMEOUT_ENV
@@ -426,10 +429,6 @@ def make_distribution(devices):
     return keras.distribution.DataParallel(devices=chosen, auto_shard_dataset=False)
 
 
-def check_model(model):
-    """Any Keras model can be distributed here."""
-
-
 def _always():
     return True
 
@@ -565,14 +564,6 @@ def replicate(variables, distribution, optimizers=()):
         variable.assign(value)
 
 
-def release(variables, distribution, optimizers=(), failed=False):
-    """Nothing to undo: replicated arrays serve the model on one device too.
-
-    (With several processes they span every process: the model then runs, as it
-    trained, as one program of every process.)
-    """
-
-
 @functools.cache
 def _gather(mesh):
     """One compiled gather per mesh, shared by every call and dataset.
@@ -622,20 +613,6 @@ def resident(arrays, distribution):
     # The host index goes in as it is: jit places it beside `placed` within
     # the same dispatch (no recompilation: an uncommitted argument).
     return lambda index: gather(placed, index)
-
-
-def random_state():
-    """None: Keras's adapters draw orders from Python's and NumPy's generators here."""
-    return None
-
-
-def set_random_state(state):
-    """Nothing to set (see `random_state`)."""
-
-
-def to_backend(batch):
-    """Keras's JAX trainer takes NumPy (or placed) batches as they are."""
-    return batch
 
 
 def shard(arrays, distribution):
@@ -721,11 +698,6 @@ def run_step(step, data, rows_out=False):
     if isinstance(result, tuple) and len(result) == 2:  # (logs or outputs, state)
         return _replicated_in_step(result[0]), result[1]
     return _replicated_in_step(result)
-
-
-def batch_spec(iterator):
-    """Not used: Keras's JAX trainer reads its build batch itself (`_symbolic_build`)."""
-    return None
 
 
 # -- the watchdog ------------------------------------------------------------------

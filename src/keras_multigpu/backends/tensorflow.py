@@ -76,6 +76,9 @@ from keras_multigpu.devices import (
     refuse_several_processes,
 )
 
+# What this engine does beyond the seam's common names (see `keras_multigpu.backends`).
+CAPABILITIES = frozenset({"cpu_devices", "check_model", "release", "batch_spec"})
+
 # Inside a replica's step: `state`, its `rules.Replica` (k, n, start as int32 tensors).
 _replica = threading.local()
 
@@ -191,11 +194,6 @@ def scope(distribution):
         yield
 
 
-def jit_compile(value):
-    """XLA off: replicas see batches of varying size (Keras disables it under tf.distribute)."""
-    return False
-
-
 # -- variables ------------------------------------------------------------
 
 
@@ -305,34 +303,6 @@ def release(variables, distribution, optimizers=(), failed=False):
 # -- data -----------------------------------------------------------------
 
 
-def resident(arrays, distribution):
-    """Declined: TensorFlow's input pipeline places and splits every batch itself."""
-    return None
-
-
-def random_state():
-    """None: Keras's TensorFlow adapters draw orders inside tf.data (op seeds), or from
-    Python's and NumPy's generators (a PyDataset's), which `batching` keeps."""
-    return None
-
-
-def set_random_state(state):
-    """Nothing to set (see `random_state`)."""
-
-
-def to_backend(batch):
-    """Keras's TensorFlow trainer takes its batches from tf.data: nothing to convert."""
-    return batch
-
-
-def shard(arrays, distribution):
-    return arrays  # the strategy's distributed dataset splits and copies it
-
-
-def free_memory(devices):
-    return [None] * len(devices)  # TensorFlow reports memory in use, not free
-
-
 _BATCH, _ROWS = "keras_multigpu_batch", "keras_multigpu_rows"
 
 
@@ -420,11 +390,6 @@ def run_step(step, data, rows_out=False):
         return step(untag(data))
     finally:
         _replica.state, _replica.losses = previous
-
-
-def watch(function, distribution, what):
-    """Not watched: a collective between this process's replicas has no timeout."""
-    return function
 
 
 def batch_spec(iterator):

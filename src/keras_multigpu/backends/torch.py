@@ -27,8 +27,6 @@ import atexit
 import contextlib
 import datetime
 import os
-import shlex
-import sys
 import threading
 import warnings
 
@@ -39,7 +37,7 @@ import torch.distributed as dist
 from keras import tree
 
 from keras_multigpu import devices as devices_lib
-from keras_multigpu import processes, rules
+from keras_multigpu import launch, processes, rules
 from keras_multigpu._keras import base_optimizer
 from keras_multigpu._keras.torch import DRAWS
 from keras_multigpu._keras.torch import random as torch_random
@@ -48,9 +46,9 @@ from keras_multigpu.devices import Device, cpu_device_count
 
 # Seconds a collective may wait for the other processes before it fails.
 TIMEOUT_ENV = devices_lib.TIMEOUT_ENV
-# Set to 0 to train on one device instead of relaunching `python script.py`.
-RELAUNCH_ENV = "KERAS_MULTIGPU_RELAUNCH"
-_LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+# What this engine does beyond the seam's common names (see `keras_multigpu.backends`).
+CAPABILITIES = frozenset({"release", "generator", "to_backend", "process_per_device"})
 
 # Inside a step run by `run_step`: `state`, its `rules.Replica` (k, n, start as ints).
 _replica = threading.local()
@@ -58,15 +56,6 @@ _replica = threading.local()
 if "LOCAL_RANK" in os.environ and torch.cuda.is_available():
     # Before the user's model exists: Keras creates variables on "cuda", the current device.
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
-
-
-def configure_cpu_devices(count):
-    """Nothing to configure: each CPU "device" is a process of its own."""
-    return True
-
-
-def _launched():
-    return all(name in os.environ for name in _LAUNCH_VARIABLES)
 
 
 def _kind():
@@ -81,13 +70,13 @@ def list_devices():
     device.
     """
     kind, name = _kind()
-    if _launched():
+    if launch.launched():
         world = int(os.environ["WORLD_SIZE"])
         return [Device(r, kind, name) for r in range(world)]
     count = torch.cuda.device_count() if kind == "gpu" else (cpu_device_count() or 1)
-    if count > 1 and os.environ.get(RELAUNCH_ENV, "1") == "0":
+    if count > 1 and not launch.relaunch_allowed():
         warnings.warn(
-            f"{RELAUNCH_ENV}=0: training on one of this machine's {count} devices. The "
+            f"{launch.RELAUNCH_ENV}=0: training on one of this machine's {count} devices. The "
             "torch engine runs one process per device: start the script with "
             f"`keras-multigpu launch -n {count} ...` to use them all.",
             stacklevel=3,
@@ -110,36 +99,6 @@ class Engine:
 
 
 _timeout = devices_lib.collective_timeout
-
-
-def _script_command():
-    """The command that runs this script again, or None where there is none (a REPL)."""
-    main = sys.modules.get("__main__")
-    spec = getattr(main, "__spec__", None)
-    path = getattr(main, "__file__", None)
-    if hasattr(sys, "ps1") or sys.flags.interactive or path is None or not os.path.isfile(path):
-        return None
-    if spec is not None and spec.name and spec.name != "__main__":
-        return ["-m", spec.name.removesuffix(".__main__"), *sys.argv[1:]]
-    return [path, *sys.argv[1:]]
-
-
-def _relaunch(count):
-    """Runs this script again under `keras-multigpu launch -n count` (never returns)."""
-    command = _script_command()
-    if command is None:
-        raise RuntimeError(
-            f"The torch engine runs one process per device, and this interactive session "
-            f"cannot be relaunched on {count} processes. Save the code as a script and run "
-            f"`keras-multigpu launch -n {count} script.py`, or pass gpus=1 to "
-            "multi_gpu_model to train on one device here."
-        )
-    args = [sys.executable, "-m", "keras_multigpu.cli", "launch", "-n", str(count), *command]
-    sys.stdout.flush()
-    print(f"keras_multigpu: relaunching as `keras-multigpu launch -n {count} "
-          f"{shlex.join(command)}` (one process per device; set {RELAUNCH_ENV}=0 to train on "
-          "one device instead).", file=sys.stderr, flush=True)
-    os.execv(sys.executable, args)
 
 
 def _join():
@@ -197,9 +156,13 @@ def _device():
 
 
 def make_distribution(devices):
-    if len(devices) > 1 and not _launched():
-        _relaunch(len(devices))
-    if _launched():
+    if len(devices) > 1 and not launch.launched():
+        raise RuntimeError(
+            f"The torch engine runs one process per device: {len(devices)} devices need "
+            f"`keras-multigpu launch -n {len(devices)} script.py` (multi_gpu_model relaunches "
+            "a script itself)."
+        )
+    if launch.launched():
         world = int(os.environ["WORLD_SIZE"])
         if len(devices) != world:
             raise ValueError(
@@ -210,15 +173,6 @@ def make_distribution(devices):
         if world > 1:
             _join()
     return Engine(devices)
-
-
-def check_model(model):
-    """Any Keras model can be distributed here."""
-
-
-def jit_compile(value):
-    """Eager: the rules below are Python, which `torch.compile` would trace away."""
-    return False
 
 
 # -- collectives ----------------------------------------------------------
@@ -300,15 +254,6 @@ def release(variables, distribution, optimizers=(), failed=False):
 # -- data -----------------------------------------------------------------
 
 
-def resident(arrays, distribution):
-    """Declined: each process converts and places its batches itself."""
-    return None
-
-
-def shard(arrays, distribution):
-    return arrays  # each process takes its share of the rows in `run_step`
-
-
 def random_state():
     """torch's global generator, which Keras's torch adapters draw orders from (a
     `DataLoader`'s seeds, a `RandomSampler`'s), as plain data. Every process holds rank
@@ -329,21 +274,6 @@ def to_backend(batch):
     """A served batch (NumPy) as torch tensors on the current device, as Keras's own
     `DataLoader` wrapper converts them."""
     return tree.map_structure(keras.ops.convert_to_tensor, batch, none_is_leaf=False)
-
-
-def free_memory(devices):
-    return [None] * len(devices)
-
-
-def watch(function, distribution, what):
-    """Nothing to watch: this engine's collectives end in an error of their own (the
-    process group's timeout, or a peer that stopped)."""
-    return function
-
-
-def batch_spec(iterator):
-    """Not used: Keras's torch trainer reads its build batch itself (`_symbolic_build`)."""
-    return None
 
 
 def process_index():
