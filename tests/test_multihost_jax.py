@@ -285,7 +285,7 @@ def test_a_process_that_hangs_is_named_within_the_timeout(tmp_path):
     (("MASTER_ADDR", "MASTER_PORT"), "MASTER_ADDR, MASTER_PORT are not set"),
 ])
 def test_missing_launch_variables_are_named(monkeypatch, unset, named):
-    jax_backend = pytest.importorskip("keras_multigpu.backends.jax")
+    jax_backend = pytest.importorskip("keras_multigpu.backends._jax_hosts")
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29500")
@@ -297,7 +297,7 @@ def test_missing_launch_variables_are_named(monkeypatch, unset, named):
 
 @pytest.mark.parametrize("raw", ["0", "-3", "soon", "inf"])
 def test_a_bad_timeout_is_refused(monkeypatch, raw):
-    jax_backend = pytest.importorskip("keras_multigpu.backends.jax")
+    jax_backend = pytest.importorskip("keras_multigpu.backends._jax_hosts")
     monkeypatch.setenv("KERAS_MULTIGPU_TIMEOUT", raw)
     with pytest.raises(ValueError, match="KERAS_MULTIGPU_TIMEOUT must be a positive number"):
         jax_backend._timeout()

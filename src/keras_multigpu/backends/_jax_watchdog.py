@@ -1,0 +1,118 @@
+"""The JAX engine's watchdog: a step stuck in a collective ends the process with a message."""
+
+import atexit
+import collections
+import contextlib
+import functools
+import os
+import sys
+import threading
+import time
+
+import jax
+
+from keras_multigpu import devices as devices_lib
+
+TIMEOUT_ENV = devices_lib.TIMEOUT_ENV
+_timeout = devices_lib.collective_timeout
+
+
+# -- the watchdog ------------------------------------------------------------------
+#
+# A collective that never completes (XLA:CPU devices that deadlock, a process that hangs
+# inside a step) blocks inside XLA, where no Python exception can reach it, and XLA's own
+# CPU timeout is set past KERAS_MULTIGPU_TIMEOUT (`_xla`). So each step Keras dispatches is
+# watched: when no step has finished for KERAS_MULTIGPU_TIMEOUT seconds while one is in
+# flight, the process says which step waits and why, and exits (the launcher then stops
+# the others). Compilation happens before a step is dispatched and does not count.
+
+
+class _Watchdog:
+    def __init__(self, timeout):
+        self.timeout = timeout
+        self.pending = collections.deque()  # (what, when dispatched, an output array)
+        self.done = time.monotonic()
+        self.lock = threading.Lock()
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="keras_multigpu-watchdog",
+                                       daemon=True)
+        self.thread.start()
+        # Stopped before the interpreter finalizes: a daemon thread inside jaxlib then
+        # would be unwound through C++ frames, which aborts the process.
+        atexit.register(self.stop)
+
+    def stop(self):
+        self.stopped.set()
+        self.thread.join(timeout=5)
+
+    def dispatched(self, what, outputs):
+        # The logs (or predictions), never the state, whose buffers the next step donates.
+        logs = outputs[0] if isinstance(outputs, tuple) else outputs
+        leaf = next((a for a in jax.tree.leaves(logs) if isinstance(a, jax.Array)), None)
+        if leaf is not None:
+            with self.lock:
+                self.pending.append((what, time.monotonic(), leaf))
+
+    @staticmethod
+    def _ready(array):
+        try:
+            return array.is_ready()
+        except Exception:  # noqa: BLE001 (a deleted array is done with)
+            return True
+
+    def _watch(self):
+        while not self.stopped.wait(min(1.0, self.timeout / 10)):
+            now = time.monotonic()
+            with self.lock:
+                while self.pending and self._ready(self.pending[0][2]):
+                    self.pending.popleft()
+                    self.done = now
+                if not self.pending:
+                    self.done = now
+                    continue
+                what, since, _ = self.pending[0]
+                waited = now - max(since, self.done)
+            if waited > self.timeout:
+                _stuck(what, waited)
+
+
+def _stuck(what, waited):
+    devices = jax.devices()
+    where = (f"the {jax.process_count()} processes" if jax.process_count() > 1
+             else f"this process's {len(devices)} {devices[0].platform.upper()} devices")
+    message = (
+        f"keras_multigpu: {what} has waited {waited:.0f} s ({TIMEOUT_ENV}="
+        f"{_timeout():g}) without finishing: a device waits in a collective across {where} "
+        "for another that never joins it (a process that hangs, or XLA's CPU devices "
+        "deadlocked). Nothing can end that wait from Python: exiting. Raise "
+        f"{TIMEOUT_ENV} if one step is this slow for good reason.\n")
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os.write(2, message.encode())
+    os._exit(1)
+
+
+@functools.cache
+def _watchdog():
+    return _Watchdog(_timeout())
+
+
+def watch(function, distribution, what):
+    """`function` (one of Keras's compiled steps), its dispatches watched (see `_Watchdog`)
+    where a collective can wait for ever: across processes, or across CPU devices."""
+    devices = distribution.device_mesh.backend_mesh.devices.flat
+    several = jax.process_count() > 1 or (
+        distribution.device_mesh.backend_mesh.devices.size > 1
+        and any(d.platform == "cpu" for d in devices))
+    if not several or getattr(function, "_keras_multigpu_watched", False):
+        return function
+
+    @functools.wraps(function)
+    def watched(*args, **kwargs):
+        outputs = function(*args, **kwargs)
+        _watchdog().dispatched(what, outputs)
+        return outputs
+
+    watched._keras_multigpu_watched = True
+    return watched
