@@ -296,16 +296,17 @@ def test_tensorflow_started_before_the_import_is_an_error(tmp_path):
                  "task": {"type": "worker", "index": 2}}), "is not one of them"),
 ])
 def test_a_bad_tf_config_is_refused(monkeypatch, value, message):
-    from keras_multigpu.backends import tensorflow as engine
+    from keras_multigpu.backends import _tf_workers
 
     monkeypatch.setenv("TF_CONFIG", value)
     with pytest.raises(ValueError, match=message):
-        engine._cluster()
+        _tf_workers._cluster()
 
 
 def test_one_worker_is_one_process(monkeypatch):
+    from keras_multigpu.backends import _tf_workers
     from keras_multigpu.backends import tensorflow as engine
 
     monkeypatch.setenv("TF_CONFIG", _tf_config([1], 0))
-    assert engine._cluster() is None
+    assert _tf_workers._cluster() is None
     assert (engine.process_index(), engine.process_count()) == (0, 1)

@@ -34,53 +34,31 @@ joined when the package is imported (TensorFlow fixes its collectives when
 its runtime starts) or given a clear error after KERAS_MULTIGPU_TIMEOUT
 seconds. Replica indexes and counts are global (worker-major), and every
 worker's devices get only their own contiguous runs of each global batch
-(`_MultiWorker.experimental_distribute_dataset`), so the rules above hold
-unchanged. The process rules (worker 0 alone writes Keras files, every worker
-takes worker 0's random state and stops at the same step after a Ctrl-C) are
-`keras_multigpu.processes`', over the coordination service's key-value store.
+(`_tf_workers._MultiWorker`), so the rules above (`_tf_rules`) hold
+unchanged. The process rules are `keras_multigpu.processes`', over the
+coordination service's key-value store.
 """
 
-import concurrent.futures
 import contextlib
 import functools
-import json
-import os
-import random
-import threading
 import warnings
 
 import keras
 import numpy as np
 import tensorflow as tf
 from keras import tree
-from tensorflow.python.distribute import collective_all_reduce_strategy as tf_collective
-from tensorflow.python.distribute import multi_worker_util
-from tensorflow.python.distribute.cluster_resolver import tfconfig_cluster_resolver
-from tensorflow.python.eager import context as tf_context
 
-from keras_multigpu import _keras, processes, rules
-from keras_multigpu._keras import (
-    base_layer,
-    loss_module,
-)
-from keras_multigpu._keras.tensorflow import DRAWS
-from keras_multigpu._keras.tensorflow import optimizer as tf_optimizer
-from keras_multigpu._keras.tensorflow import random as tf_random
-from keras_multigpu._keras.tensorflow import trainer as tf_trainer
+from keras_multigpu import rules
+from keras_multigpu.backends import _tf_rules, _tf_workers
 from keras_multigpu.devices import (
     CPU_DEVICES_ENV,
-    TIMEOUT_ENV,
     Device,
-    collective_timeout,
     cpu_device_count,
     refuse_several_processes,
 )
 
 # What this engine does beyond the seam's common names (see `keras_multigpu.backends`).
 CAPABILITIES = frozenset({"cpu_devices", "check_model", "release", "batch_spec"})
-
-# Inside a replica's step: `state`, its `rules.Replica` (k, n, start as int32 tensors).
-_replica = threading.local()
 
 
 def configure_cpu_devices(count):
@@ -173,7 +151,8 @@ def make_distribution(devices):
     if _workers is None:
         refuse_several_processes("TensorFlow")
         return Engine(devices)
-    return _workers.distribution(devices)
+    _workers.check(devices, list_devices())
+    return Engine(devices, _workers.strategy)
 
 
 def check_model(model):
@@ -190,7 +169,7 @@ def check_model(model):
 @contextlib.contextmanager
 def scope(distribution):
     """The strategy's scope, with the exactness rules of this module in force."""
-    with distribution.strategy.scope(), _rules():
+    with distribution.strategy.scope(), _tf_rules.installed(_workers):
         yield
 
 
@@ -382,14 +361,15 @@ def run_step(step, data, rows_out=False):
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1 and not _tagged(_unwrap(data)):
         return step(untag(data))
-    previous = getattr(_replica, "state", None), getattr(_replica, "losses", None)
-    _replica.state = rules.Replica(*_counts(data), replicas=context.num_replicas_in_sync,
-                                   all_reduce=_sum, traced=True)
-    _replica.losses = {}  # this replica's `add_loss` values (see `_add_loss`)
+    replica = _tf_rules._replica
+    previous = getattr(replica, "state", None), getattr(replica, "losses", None)
+    replica.state = rules.Replica(*_counts(data), replicas=context.num_replicas_in_sync,
+                                  all_reduce=_tf_rules.all_reduce, traced=True)
+    replica.losses = {}  # this replica's `add_loss` values (see `_tf_rules._add_loss`)
     try:
         return step(untag(data))
     finally:
-        _replica.state, _replica.losses = previous
+        replica.state, replica.losses = previous
 
 
 def batch_spec(iterator):
@@ -417,463 +397,4 @@ def process_count():
     return 1 if _workers is None else _workers.count
 
 
-# -- the rules, in force inside `scope` ---------------------------------
-
-
-def _step():
-    """This replica's `rules.Replica` inside a step run by `run_step`, else None."""
-    state = getattr(_replica, "state", None)
-    if state is None or tf.distribute.get_replica_context() is None:
-        return None
-    return state
-
-
-def _placed(value):
-    """`value`, on this replica's device where TensorFlow placed it on none.
-
-    A replica's all-reduce sends each value to its own device. With one
-    replica per worker its values reach the reduction as they are (with
-    several, as a PerReplica that names the devices), and one on no device
-    fails: "destinations can not be empty". A variable's read is one:
-    `ResourceVariable.value` leaves every device scope; an identity, made
-    in the replica's scope, is on its device.
-    """
-    if isinstance(value, tf.Tensor) and not tf.executing_eagerly() and not value.device:
-        return tf.identity(value)
-    return value
-
-
-def _all_reduce(values, reduction=tf.distribute.ReduceOp.SUM):
-    return tf.distribute.get_replica_context().all_reduce(
-        reduction, tf.nest.map_structure(_placed, values))
-
-
-def _sum(values, what):
-    """Sums `values` across replicas (`rules.Replica.all_reduce`). A variable is read first
-    (`keras.ops.convert_to_tensor` hands a `tf.Variable` back as it is), so that `_placed`
-    can give its read a device."""
-    return list(_all_reduce([tf.convert_to_tensor(v) for v in values]))
-
-
-def _weighed(replica, gradient):
-    """`rules.weigh`, kept sparse where the gradient is, as one device's is."""
-    if isinstance(gradient, tf.IndexedSlices):
-        return tf.IndexedSlices(_weighed(replica, gradient.values), gradient.indices,
-                                gradient.dense_shape)
-    return rules.weigh(replica, gradient)
-
-
-def _fixed_rows(gradient):
-    """Whether `gradient` is sparse with rows that do not depend on the batch.
-
-    A lookup's gradient has one row per index looked up. Indices that come
-    from the data (token ids) have the batch's dynamic size: the replicas'
-    rows, concatenated in replica order by the all-reduce, are one device's
-    rows in one device's order. Indices of a static size (positions
-    `arange(maxlen)`) are looked up once per step on one device, with the
-    batch summed into each row: every replica holds the same indices, and one
-    device's gradient is theirs with the values summed. The two differ for
-    an optimizer that squares a sparse gradient row by row (Adam, RMSprop).
-    """
-    return isinstance(gradient, tf.IndexedSlices) and gradient.indices.shape.is_fully_defined()
-
-
-def _summable(gradient):
-    return gradient.values if _fixed_rows(gradient) else gradient
-
-
-def _unsummable(gradient, reduced):
-    if _fixed_rows(gradient):
-        return tf.IndexedSlices(reduced, gradient.indices, gradient.dense_shape)
-    return reduced
-
-
-def _apply(replica, original, self, grads, trainable_variables=None):
-    """Weighted all-reduce of the gradients, then the optimizer's own apply.
-
-    An optimizer first used inside the step (a GAN's `d_optimizer`, built by its first
-    `apply`) is built outside the traced step first, as the model's own optimizer is
-    before the step: mirrored variables made inside a replica's traced step have
-    initialisers `tf.function` cannot lift, and the step it then builds around them fails.
-    """
-    if not self.built and trainable_variables is not None:
-        with tf.init_scope(), keras.name_scope(self.name, caller=self):
-            self.build(list(trainable_variables))
-    present = [_summable(_weighed(replica, g)) for g in grads if g is not None]
-    if present:
-        reduced = iter(_all_reduce(present))
-        grads = [None if g is None else _unsummable(g, next(reduced)) for g in grads]
-    _replica.reduced = True
-    try:
-        return original(self, grads, trainable_variables)
-    finally:
-        _replica.reduced = False
-
-
-def _apply_gradients(replica, original, self, grads, trainable_variables):
-    """Keras's apply, once, across replicas, where it chooses with `ops.cond`.
-
-    Gradient accumulation (and an EMA overwrite frequency) pick between
-    updating and accumulating with a condition, and tf.distribute cannot
-    cross from a replica into the mirrored update inside one. The gradients
-    are all-reduced already, the same on every replica, so the whole apply
-    runs once outside the replicas, on the first replica's, and updates every
-    copy of every variable alike, as `strategy.extended.update` does.
-    """
-    if not getattr(_replica, "reduced", False) or not (
-        self.gradient_accumulation_steps or (self.use_ema and self.ema_overwrite_frequency)
-    ):
-        return original(self, grads, trainable_variables)
-
-    def across(strategy, *grads):
-        first = [None if g is None else strategy.experimental_local_results(g)[0]
-                 for g in grads]
-        # Keras's TensorFlow optimizer reaches its mirrored updates through
-        # `maybe_merge_call`, which assumes a replica; here the merge is made.
-        interim = tf.__internal__.distribute.interim
-        maybe_merge_call = interim.maybe_merge_call
-        interim.maybe_merge_call = lambda fn, strategy, *args, **kwargs: fn(
-            strategy, *args, **kwargs)
-        try:
-            original(self, first, trainable_variables)
-        finally:
-            interim.maybe_merge_call = maybe_merge_call
-
-    tf.distribute.get_replica_context().merge_call(across, args=tuple(grads))
-
-
-def _all_reduce_sum(replica, original, self, grads_and_vars):
-    if getattr(_replica, "reduced", False):
-        return grads_and_vars  # reduced, with the weights, in `_apply`
-    return original(self, grads_and_vars)
-
-
-def _scale(replica, original, value):
-    return value  # the weights k/n replace Keras's 1/R
-
-
-def _add_loss(replica, original, self, loss):
-    """Keras's `Layer.add_loss` as a rule: each replica keeps its own values.
-
-    Keras keeps them in a list on the layer, which every replica's thread shares: a
-    replica's step then summed the other replicas' losses with its own (the CTC example's
-    loss came out 25 % too large on 2 devices).
-    """
-    if _keras.backend.in_stateless_scope():
-        return original(self, loss)
-    losses = tree.flatten(loss)
-    for value in losses:
-        if not _keras.backend.is_tensor(value):
-            return original(self, loss)  # Keras's own error
-    _replica.losses.setdefault(id(self), []).extend(losses)
-    return None
-
-
-def _own_losses(replica, original, self):
-    if _keras.backend.in_stateless_scope():
-        return original(self)
-    return list(_replica.losses.get(id(self), ()))
-
-
-def _clear_losses(replica, original, self):
-    if _keras.backend.in_stateless_scope():
-        return original(self)
-    for layer in self._flatten_layers():
-        _replica.losses.pop(id(layer), None)
-    return None
-
-
-def _reduce_per_replica(replica, original, values, strategy, reduction):
-    """Keras's reduction of a step's outputs, with several workers.
-
-    Keras's own (`trainer.reduce_per_replica`) reduces a "mean" with
-    `strategy.reduce("MEAN", v, axis=0)`, which fails on the scalar logs of
-    every step ("Invalid reduction dimension 0 for input with 0 dimensions",
-    tensorflow#72388), and orders a "concat" (predict) as TensorFlow's own
-    dataset split deals the rows. Here the mean is over replicas (as Keras's
-    one-worker mean), and the concat is in replica order: the replicas hold
-    contiguous runs (`_MultiWorker`).
-    """
-    if not tf_trainer._collective_all_reduce_multi_worker(strategy):
-        return original(values, strategy, reduction)
-    if reduction == "auto":
-        reduction = "mean"
-
-    def reduce(value):
-        if reduction == "concat":
-            return strategy.gather(value, axis=0)
-        if reduction in ("mean", "sum"):
-            return strategy.reduce(reduction.upper(), value, axis=None)
-        if reduction == "first":
-            return strategy.experimental_local_results(value)[0]
-        return original(value, strategy, reduction)
-
-    return tree.map_structure(reduce, values)
-
-
-def _several_workers():
-    return _workers
-
-
-def _rules_table():
-    return [
-        (tf_optimizer.TFOptimizer, "apply", _apply, _step),
-        (tf_optimizer.TFOptimizer, "_all_reduce_sum_gradients", _all_reduce_sum, _step),
-        (tf_optimizer.TFOptimizer, "_backend_apply_gradients", _apply_gradients, _step),
-        (loss_module, "scale_loss_for_distribution", _scale, _step),
-        (loss_module, "unscale_loss_for_distribution", _scale, _step),
-        (base_layer.Layer, "add_loss", _add_loss, _step),
-        (base_layer.Layer, "_get_own_losses", _own_losses, _step),
-        (base_layer.Layer, "_clear_losses", _clear_losses, _step),
-        *rules.table(_step, _step, tf_random, DRAWS),
-    ]
-
-
-def _process_rules_table():
-    """Rules that act outside the replicas, with several workers only."""
-    return [(tf_trainer, "reduce_per_replica", _reduce_per_replica, _several_workers)]
-
-
-_installed = threading.local()
-
-
-@contextlib.contextmanager
-def _rules():
-    """Installs the rules for the duration (nested scopes install them once).
-
-    They act only inside a replica's step run by `run_step` and defer to
-    Keras's own code everywhere else, so other models are unaffected.
-    """
-    depth = getattr(_installed, "depth", 0)
-    _installed.depth = depth + 1
-    try:
-        table = _rules_table() + _process_rules_table()
-        with rules.installed(table if depth == 0 else []):
-            yield
-    finally:
-        _installed.depth = depth
-
-
-# -- several workers (TF_CONFIG) ---------------------------------------------
-
-# Seconds a worker waits for the others (to join, at a save) before it fails.
-
-
-_timeout = collective_timeout
-
-
-def _worker_count(spec):
-    return sum(len(spec.as_dict().get(job, [])) for job in ("chief", "worker"))
-
-
-def _cluster():
-    """`(cluster_spec, task_type, task_id)` when TF_CONFIG names several workers, else None."""
-    raw = os.environ.get("TF_CONFIG", "")
-    if not raw.strip():
-        return None
-    try:
-        config = json.loads(raw)
-    except ValueError as error:
-        raise ValueError(
-            f"TF_CONFIG is not valid JSON ({error}). Received: TF_CONFIG={raw!r}. It should "
-            'look like {"cluster": {"worker": ["host0:port", "host1:port"]}, "task": '
-            '{"type": "worker", "index": 0}}.'
-        ) from error
-    resolver = tfconfig_cluster_resolver.TFConfigClusterResolver()
-    spec = multi_worker_util.normalize_cluster_spec(resolver.cluster_spec())
-    workers = _worker_count(spec)
-    if workers <= 1:
-        return None
-    task = config.get("task", {}) if isinstance(config, dict) else {}
-    task_type, task_id = task.get("type"), task.get("index")
-    if task_type not in ("chief", "worker") or not isinstance(task_id, int) \
-            or not 0 <= task_id < len(spec.as_dict().get(task_type, [])):
-        raise ValueError(
-            f"TF_CONFIG names {workers} workers, but its task ({task!r}) is not one of them. "
-            'Set "task": {"type": "worker", "index": i} with i this worker\'s position in '
-            '"cluster": {"worker": [...]} (0 to ' f"{workers - 1})."
-        )
-    return spec, task_type, task_id
-
-
-class _MultiWorker(tf.distribute.MultiWorkerMirroredStrategy):
-    """MultiWorkerMirroredStrategy whose replicas get contiguous runs of each global batch.
-
-    TensorFlow's own split gives replica r of worker w the part w + W * r
-    of the global batch (it splits the batch among all replicas, then deals
-    the parts to workers in turn), while replica indexes run worker by
-    worker (w * G + r). Here every worker reads the global batch and keeps
-    its own parts, in replica order, so that replica i gets part i: the
-    contiguous runs that `tag` deals and `_counts` assumes, as one worker's
-    MirroredStrategy gets them.
-    """
-
-    def experimental_distribute_dataset(self, dataset, options=None):
-        replicas = self.num_replicas_in_sync
-        local = len(self.extended.worker_devices)
-        first = self.extended._id_in_cluster * local
-
-        def parts(*element):  # tf.data unpacks a tuple element into arguments
-            element = element[0] if len(element) == 1 else element
-
-            def part(i):
-                def cut(a):
-                    if not isinstance(a, tf.Tensor):
-                        return a  # None travels as an empty Optional: every replica's
-                    per = tf.shape(a)[0] // replicas
-                    start = (first + tf.cast(i, "int32")) * per
-                    return a[start : start + per]
-
-                return tf.nest.map_structure(cut, element)
-
-            return tf.data.Dataset.range(local).map(part)
-
-        return self.distribute_datasets_from_function(
-            lambda context: dataset.flat_map(parts), options)
-
-
-class _Workers:
-    """This worker's place among several, and the one strategy they share."""
-
-    def __init__(self, spec, task_type, task_id, strategy):
-        self.spec, self.task_type, self.task_id = spec, task_type, task_id
-        self.strategy = strategy
-        self.index = strategy.extended._id_in_cluster
-        self.count = strategy.extended._num_workers
-
-    def who(self):
-        return f"Worker {self.index} of {self.count} ({self.task_type} {self.task_id} in TF_CONFIG)"
-
-    def distribution(self, devices):
-        world = os.environ.get("WORLD_SIZE", "")
-        if world.isdigit() and int(world) != self.count:
-            raise RuntimeError(
-                f"TF_CONFIG names {self.count} workers but WORLD_SIZE={world}. Start one "
-                "process per worker in TF_CONFIG, each with the same cluster."
-            )
-        local = list_devices()
-        if list(devices) != local:
-            raise ValueError(
-                f"{self.who()}: with several workers every worker trains on all of its "
-                f"devices ({', '.join(map(str, local))}), but multi_gpu_model chose "
-                f"{', '.join(map(str, devices))}. Pass gpus=None, or limit the devices each "
-                "worker sees (CUDA_VISIBLE_DEVICES, KERAS_MULTIGPU_CPU_DEVICES)."
-            )
-        return Engine(devices, self.strategy)
-
-
-def _global_seed():
-    """TensorFlow's global seed (tf.data's shuffles draw their op seeds from it), chosen
-    here where none is set: every worker's op seeds would differ."""
-    seed = tf_context.context()._seed
-    if seed is None:
-        seed = random.SystemRandom().randrange(2**31)
-        tf.random.set_seed(seed)
-    return seed
-
-
-def _set_global_seed(seed):
-    if tf_context.context()._seed != seed:
-        tf.random.set_seed(seed)
-
-
-class _Store(processes.Store):
-    """The coordination service's key-value store, which MultiWorkerMirroredStrategy runs."""
-
-    def __init__(self, workers):
-        self.rank, self.count = workers.index, workers.count
-        self.generator = (_global_seed, _set_global_seed)
-
-    def set(self, key, value):
-        tf_context.context().set_config_key_value(key, value)
-
-    def get(self, key, timeout):
-        return tf_context.context().get_config_key_value(key, timeout_in_ms=int(timeout * 1000))
-
-    def delete(self, key):
-        tf_context.context().delete_config_key_value(key)
-
-    def alone(self, function, *args, **kwargs):
-        # In a thread of its own, outside the strategy's scope (thread-local): Keras's
-        # saving creates variables (a throwaway optimizer), and a variable created in the
-        # scope of a call (ModelCheckpoint, Checkpoint) is broadcast to every worker, which
-        # waits for the others forever when only worker 0 saves.
-        with concurrent.futures.ThreadPoolExecutor(1) as thread:
-            return thread.submit(function, *args, **kwargs).result()
-
-
-def _join(spec, task_type, task_id):
-    """Starts TensorFlow as one of the workers of `spec`, and waits for the others.
-
-    TensorFlow's coordination service registers every worker before the
-    runtime starts; the strategy's own defaults would wait an hour for a
-    missing one, so the registration is given KERAS_MULTIGPU_TIMEOUT.
-    """
-    timeout = _timeout()
-    count = cpu_device_count()
-    if count and not tf.config.list_physical_devices("GPU"):
-        configure_cpu_devices(count)
-    context = tf_context.context()
-    jobs = [job for job in ("chief", "worker") if job in spec.jobs]
-    context.configure_coordination_service(
-        service_type="standalone",
-        service_leader=multi_worker_util.coordination_leader(spec),
-        coordinated_jobs=[
-            tf_collective.coordination_config_pb2.CoordinatedJob(
-                name=job, num_tasks=spec.num_tasks(job))
-            for job in jobs
-        ],
-        cluster_register_timeout_in_ms=int(timeout * 1000),
-    )
-    # Without the barrier the first worker waits for the others without a deadline.
-    context.coordination_service.cluster_register_with_barrier = True
-    cpu = not tf.config.list_physical_devices("GPU")
-    implementation = tf.distribute.experimental.CommunicationImplementation
-    options = tf.distribute.experimental.CommunicationOptions(
-        implementation=implementation.RING if cpu else implementation.AUTO)
-    local_devices = tf_collective.CollectiveAllReduceExtended._initialize_local_devices
-
-    def every_cpu_device(self, resolver, worker_device):
-        # TensorFlow takes one CPU device per worker, named by the worker alone (which the
-        # engine's per-device placement cannot use); here, each of its logical ones, by name.
-        found, kind = local_devices(self, resolver, worker_device)
-        if kind == "CPU":
-            found = tuple(f"{worker_device}/device:CPU:{i}" for i in range(count or 1))
-        return found, kind
-
-    tf_collective.CollectiveAllReduceExtended._initialize_local_devices = every_cpu_device
-    try:
-        strategy = _MultiWorker(communication_options=options)
-    except tf.errors.OpError as error:
-        workers = [f"{job} {i} ({address})" for job in jobs
-                   for i, address in enumerate(spec.job_tasks(job))]
-        raise RuntimeError(
-            f"{task_type} {task_id} of the TF_CONFIG cluster [{', '.join(workers)}] could not "
-            f"join the others within {TIMEOUT_ENV}={timeout:g} s: start every worker (one "
-            "process per entry of TF_CONFIG's cluster, each with its own task index), with "
-            "the same cluster, and check that their addresses can be reached. TensorFlow "
-            f"said: {error.message.splitlines()[0] if error.message else error}"
-        ) from error
-    finally:
-        tf_collective.CollectiveAllReduceExtended._initialize_local_devices = local_devices
-    workers = _Workers(spec, task_type, task_id, strategy)
-    processes.join(_Store(workers))
-    return workers
-
-
-def _start():
-    """`(workers, late)`: the joined workers (None with one), or the error that stops
-    `make_distribution` where TensorFlow started before this module could join them."""
-    cluster = _cluster()
-    if cluster is None:
-        return None, None
-    if tf_context.context()._context_handle is not None:
-        return None, RuntimeError(
-            f"TF_CONFIG names {_worker_count(cluster[0])} workers, but TensorFlow had already "
-            "started when keras_multigpu was imported, and it joins other workers only as it "
-            "starts. Import keras_multigpu before anything runs a TensorFlow operation."
-        )
-    return _join(*cluster), None
-
-
-_workers, _late = _start()
+_workers, _late = _tf_workers.start(configure_cpu_devices)
