@@ -34,7 +34,6 @@ import torch
 import torch.distributed as dist
 from keras import tree
 
-from keras_multigpu import devices as devices_lib
 from keras_multigpu import launch, rules
 from keras_multigpu._keras import base_optimizer
 from keras_multigpu._keras.torch import DRAWS
@@ -48,9 +47,6 @@ from keras_multigpu.backends._torch_group import (
     _join,
 )
 from keras_multigpu.devices import Device, cpu_device_count
-
-# Seconds a collective may wait for the other processes before it fails.
-TIMEOUT_ENV = devices_lib.TIMEOUT_ENV
 
 # What this engine does beyond the seam's common names (see `keras_multigpu.backends`).
 CAPABILITIES = frozenset({"release", "generator", "to_backend", "process_per_device"})

@@ -1,0 +1,187 @@
+"""The checks `ParallelModel` makes before a call: an error that says what was received
+and what to do, before anything starts (Keras would fail later, or deep inside)."""
+
+import collections.abc
+import inspect
+
+import keras
+import numpy as np
+from keras import tree
+
+from keras_multigpu import batching
+
+
+def _checked_step_result(template, step, result, stateless):
+    """The template's step result, refused with a clear error if Keras could not use it."""
+    logs = result
+    if stateless:  # JAX: (logs, state)
+        if not (isinstance(result, tuple) and len(result) == 2):
+            raise TypeError(
+                f"{type(template).__name__}.{step} must return (logs, state) on the JAX "
+                f"backend, as Keras's own does. Received: {_describe(result)}."
+            )
+        logs = result[0]
+    if not isinstance(logs, collections.abc.Mapping):
+        raise TypeError(
+            f"{type(template).__name__}.{step} must return its logs as a dict of metric "
+            f"names to values (e.g. {{'loss': loss}}), as Keras's own does. Received: "
+            f"logs of type {type(logs).__name__}: {_describe(logs)}."
+        )
+    return result
+
+
+def _describe(value):
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _check_int(name, value, minimum):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(
+            f"{name} must be an int >= {minimum}. Received: {name}={value!r}"
+            f"{'' if isinstance(value, (int, np.integer)) else f' of type {type(value).__name__}'}."
+        )
+
+
+def _check_fit_arguments(epochs, initial_epoch, validation_freq, callbacks, steps_per_epoch):
+    """The scalar arguments of `fit`, refused before anything starts (Keras fails later)."""
+    _check_int("epochs", epochs, 0)
+    _check_int("initial_epoch", initial_epoch, 0)
+    if steps_per_epoch is not None:
+        _check_int("steps_per_epoch", steps_per_epoch, 1)
+    if isinstance(validation_freq, (list, tuple)):
+        for epoch in validation_freq:
+            _check_int("each epoch in validation_freq", epoch, 1)
+    else:
+        _check_int("validation_freq", validation_freq, 1)
+    if callbacks is not None and not isinstance(callbacks, keras.callbacks.CallbackList):
+        listed = callbacks if isinstance(callbacks, (list, tuple)) else [callbacks]
+        bad = [c for c in listed if not isinstance(c, keras.callbacks.Callback)]
+        if bad or not isinstance(callbacks, (list, tuple)):
+            raise TypeError(
+                "callbacks must be a list of keras.callbacks.Callback instances. Received: "
+                f"callbacks={_describe(callbacks)}."
+            )
+
+
+def _check_targets(template, x, y, method, step):
+    """Array inputs without targets, for a compiled loss that needs them, are refused early.
+
+    One device fails too, deep inside JAX ("None is not a valid value"). A model with
+    its own step, or without a compiled loss, may well need no targets.
+    """
+    if y is not None or x is None or not batching._is_array_like(x):
+        return
+    if getattr(template, "_compile_loss", None) is None:
+        return
+    if getattr(type(template), step) is not getattr(keras.Model, step):
+        return
+    raise ValueError(
+        f"{method} received inputs but no targets (y=None), and the model's compiled loss "
+        f"compares predictions with targets. Pass y=..., or, for a model that computes "
+        "its own loss (in its train_step or with add_loss), compile it without a loss."
+    )
+
+
+def _optimizers(model):
+    """The model's optimizers: its compiled one, and any other it holds as an attribute
+    (directly, or in a list, tuple or dict), each once."""
+    found = []
+
+    def add(value):
+        if isinstance(value, keras.optimizers.Optimizer) and all(value is not f for f in found):
+            found.append(value)
+
+    add(getattr(model, "optimizer", None))
+    for value in vars(model).values():
+        if isinstance(value, dict):
+            value = list(value.values())
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            add(item)
+    return found
+
+
+def _compile_arguments(template, args, kwargs):
+    """The arguments of a `compile` call by parameter name, where they bind to the template's
+    `compile` (else none: its own call then raises the user's error)."""
+    try:
+        return inspect.signature(template.compile).bind_partial(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        return {}
+
+
+def _check_gradient_accumulation(optimizer):
+    steps = getattr(optimizer, "gradient_accumulation_steps", None)
+    if steps is None:
+        return
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(
+            "gradient_accumulation_steps must be None or an integer >= 2 (gradients "
+            f"averaged over that many batches). Received: gradient_accumulation_steps={steps!r} "
+            f"on {type(optimizer).__name__}. Pass None to update at every batch."
+        )
+
+
+def _check_reductions(loss):
+    """Refuses losses that leave a vector, which no optimizer can minimise.
+
+    One device fails on them too, but deep inside the gradient computation.
+    """
+    for item in tree.flatten(loss):
+        reduction = getattr(item, "reduction", "sum_over_batch_size")
+        if reduction in (None, "none"):
+            raise ValueError(
+                f"The loss {item!r} has reduction={reduction!r}, so it returns one value "
+                "per sample and training has no scalar to minimise. Use "
+                "'sum_over_batch_size' (the default), 'mean_with_sample_weight' or 'sum'."
+            )
+
+
+def _names(template, kind):
+    """The template's input or output names, when it has them (Functional models)."""
+    if kind == "output":
+        names = getattr(template, "output_names", None)
+        return list(names) if names else None
+    struct = getattr(template, "_inputs_struct", None)
+    if isinstance(struct, dict):
+        return list(struct)
+    inputs = getattr(template, "_inputs", None) if hasattr(template, "_inputs_struct") else None
+    if not inputs:
+        return None
+    return [getattr(t, "name", None) for t in inputs]
+
+
+def _check_names(template, data, what, kind):
+    """Dict data must be keyed by the template's input (x) or output (y) names."""
+    if not isinstance(data, dict):
+        return
+    names = _names(template, kind)
+    if not names:
+        return
+    unknown = sorted(str(key) for key in data if key not in names)
+    if unknown:
+        raise ValueError(
+            f"{what} is a dict with key(s) {unknown} that name no {kind} of the model "
+            f"{template.name!r}. Its {kind}s are {names}. Key {what} by those names."
+        )
+
+
+def _split(x, y, sample_weight, fraction):
+    """Keras's `validation_split`: the last `fraction` of the rows, unshuffled."""
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(
+            f"validation_split must be in (0, 1). Received: validation_split={fraction}."
+        )
+    rows = batching._num_rows(x, "x")
+    cut = int(rows * (1.0 - fraction))
+    if cut in (0, rows):
+        raise ValueError(
+            f"validation_split={fraction} of {rows} samples leaves an empty "
+            "training or validation set. Pass more data or another fraction."
+        )
+
+    train, val = slice(0, cut), slice(cut, rows)
+    return (
+        tuple(batching._take(part, train) for part in (x, y, sample_weight)),
+        tuple(batching._take(part, val) for part in (x, y, sample_weight)),
+    )

@@ -1,0 +1,74 @@
+"""`ParallelModel`'s face: what it shows of its template (a mixin). `save` and the weight
+methods act on the template, so every file written is a plain Keras file of the user's
+model, written atomically, by one process only."""
+
+import os
+import zipfile
+
+from keras_multigpu._io import atomic_path, unreadable
+from keras_multigpu._keras import io_utils
+
+
+class TemplateFace:
+    """The template's weights, files, summary and structure, as the `ParallelModel`'s."""
+
+    def save(self, filepath, overwrite=True, **kwargs):
+        """Saves the template as a plain `.keras` file, atomically (by one process only)."""
+        if not overwrite and os.path.exists(filepath):
+            raise FileExistsError(f"{filepath} exists and overwrite=False.")
+        if self._backend.process_count() > 1:
+            # The engine writes on the first process, atomically, and waits for it.
+            return self.template.save(filepath, **kwargs)
+        with atomic_path(filepath, ".keras") as tmp:
+            self.template.save(tmp, **kwargs)
+
+    def save_weights(self, filepath, overwrite=True, **kwargs):
+        """Saves the template's weights (`.weights.h5`), atomically (by one process only)."""
+        if not overwrite and os.path.exists(filepath):
+            raise FileExistsError(f"{filepath} exists and overwrite=False.")
+        if self._backend.process_count() > 1:
+            return self.template.save_weights(filepath, **kwargs)
+        with atomic_path(filepath, ".weights.h5") as tmp:
+            self.template.save_weights(tmp, **kwargs)
+
+    def load_weights(self, filepath, **kwargs):
+        """Loads weights into the template; a missing or damaged file is named in the error."""
+        if not os.path.exists(filepath):
+            raise FileNotFoundError(
+                f"No such weights file: {filepath}. Pass the path of a .weights.h5 or .keras "
+                "file written by save_weights, save or ModelCheckpoint."
+            )
+        try:
+            self.template.load_weights(filepath, **kwargs)
+        except (OSError, zipfile.BadZipFile) as error:
+            if not os.path.isfile(filepath):
+                raise
+            raise unreadable(os.fspath(filepath), error) from error
+
+    def summary(self, *args, print_fn=None, **kwargs):
+        """The template's summary, after a line naming the devices."""
+        write = print_fn or io_utils.print_msg  # Keras's own, as its summary uses
+        write(f"ParallelModel on {self.num_replicas} device(s): "
+              f"{', '.join(map(str, self._devices))}")
+        return self.template.summary(*args, print_fn=print_fn, **kwargs)
+
+    def get_weights(self):
+        return self.template.get_weights()
+
+    def set_weights(self, weights):
+        self.template.set_weights(weights)
+
+    def get_config(self):
+        return self.template.get_config()
+
+    @property
+    def layers(self):
+        return self.template.layers
+
+    @property
+    def inputs(self):
+        return self.template.inputs
+
+    @property
+    def outputs(self):
+        return self.template.outputs
