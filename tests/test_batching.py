@@ -9,13 +9,13 @@ import pytest
 import keras_multigpu.batching
 from keras_multigpu.backends import jax as engine
 from keras_multigpu.batching import (
-    Feed,
-    as_padded,
     pad_batch,
     pad_indices,
     padded_size,
     plan,
 )
+from keras_multigpu.feed import Feed
+from keras_multigpu.inputs import as_padded
 
 TAG = engine.tag
 

@@ -6,7 +6,7 @@ import contextlib
 
 import keras
 
-from keras_multigpu import backends, batching, interrupt
+from keras_multigpu import backends, batching, inputs, interrupt
 from keras_multigpu._checks import _check_fit_arguments, _check_names, _check_targets, _split
 
 
@@ -18,7 +18,7 @@ class Calls:
         _check_names(self.template, y, "y", "output")
         backend = self._backend
         generator = backends.has(backend, "generator")
-        return batching.as_padded(
+        return inputs.as_padded(
             x, y, sample_weight, replicas=self.num_replicas, tag=backend.tag, place=self._place,
             put=self._put, engine_state=backend.random_state if generator else None,
             set_engine_state=backend.set_random_state if generator else None,

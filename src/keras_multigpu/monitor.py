@@ -257,7 +257,7 @@ class DeviceMonitor(keras.callbacks.Callback):
         dataset = getattr(self.model, "_fit_dataset", None)
         if dataset is None or getattr(dataset, "use_multiprocessing", False):
             return "none"  # worker processes get a pickled copy: nothing to time here
-        # The host's work only (see `batching.Feed`): the fetch of each batch from Keras's
+        # The host's work only (see `feed.Feed`): the fetch of each batch from Keras's
         # adapter (a user's PyDataset, its workers' queue, a generator, a DataLoader),
         # padding, and host-built array batches (the wait for the prefetched one). Not the
         # gather of arrays kept on the devices: that is device work, and where a device
