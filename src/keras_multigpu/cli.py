@@ -11,109 +11,37 @@ import contextlib
 import dataclasses
 import json
 import logging
-import math
 import os
 import sys
 
 from keras_multigpu import backends
 from keras_multigpu import devices as devices_lib
+from keras_multigpu._cli_args import (
+    UsageError,
+    _count,
+    _Formatter,
+    _fraction,
+    _gpu_list,
+    _gpus,
+    _host_counts,
+    _needs_experiment,
+    _parameter_count,
+    _port,
+    _positive_float,
+    _positive_int,
+)
+from keras_multigpu._cli_launch import cmd_launch
+from keras_multigpu._cli_measure import PROJECT_MAX_STEPS, cmd_bench, cmd_devices
+from keras_multigpu._cli_output import (
+    _check_output,
+    _claimed,
+    _no_empty_folders,
+)
 from keras_multigpu._io import write_json
 
 EXIT_TARGET_MISSED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
-
-
-class UsageError(Exception):
-    """A mistake in the command line, reported without a traceback."""
-
-
-class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows "(default: ...)" after every option whose help does not state its default."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if "default" in text or action.default in (None, argparse.SUPPRESS) or isinstance(
-            action.default, bool
-        ):
-            return text
-        return super()._get_help_string(action)
-
-
-def _positive_int(text):
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _count(text):
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected 0 or a positive integer, got {text!r}")
-    return value
-
-
-def _positive_float(text):
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
-
-
-def _fraction(text):
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text!r}")
-    return value
-
-
-def _gpus(text):
-    """`train --gpus`, as `multi_gpu_model(gpus=...)`: a count, a list of ids, or all."""
-    text = text.strip()
-    if text.lower() == "all":
-        return None
-    try:
-        if "," in text:
-            ids = [int(part) for part in text.split(",") if part.strip()]
-            if ids and min(ids) >= 0 and len(set(ids)) == len(ids):
-                return ids
-        elif int(text) >= 0:
-            return int(text)
-    except ValueError:
-        pass
-    raise argparse.ArgumentTypeError(
-        "expected a device count (0 and 1 both mean one device), a list of distinct device "
-        f"ids such as 0,2 (one id: 3,) or 'all'; got {text!r}"
-    )
-
-
-def _distinct_counts(text, what, example):
-    try:
-        counts = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        counts = []
-    if not counts or min(counts) < 1 or len(set(counts)) != len(counts):
-        raise argparse.ArgumentTypeError(
-            f"expected distinct {what} of at least 1, like {example}; got {text!r}"
-        )
-    return counts
-
-
-def _gpu_list(text):
-    return _distinct_counts(text, "device counts", "1,2,4")
 
 
 def _prepare_devices(gpus):
@@ -137,104 +65,6 @@ def _prepare_devices(gpus):
 
 
 # Held by the run that writes into an --output folder (see `_claimed`).
-LOCK_NAME = ".keras-multigpu.lock"
-
-
-def _held_files(path):
-    return sorted(name for name in os.listdir(path) if name != LOCK_NAME)
-
-
-def _check_output(path, overwrite):
-    """Refuses an `--output` that is not a folder, cannot be created, or holds files."""
-    if not path.strip():
-        raise UsageError("--output is empty; name a folder for the results")
-    if os.path.isdir(path):
-        names = _held_files(path)
-        if names and not overwrite:
-            shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
-            raise UsageError(
-                f"--output {path} already holds files ({shown}); pass --overwrite to replace "
-                "them, or choose another --output"
-            )
-        parent = path
-    elif os.path.lexists(path):
-        what = "a file" if os.path.isfile(path) else "not a folder"
-        raise UsageError(f"--output {path} is {what}; choose another --output")
-    else:
-        parent = os.path.dirname(os.path.abspath(path))
-        while not os.path.lexists(parent):
-            parent = os.path.dirname(parent)
-        if not os.path.isdir(parent):
-            raise UsageError(
-                f"--output {path} cannot be created: {parent} is a file, not a folder"
-            )
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise UsageError(f"--output {path}: {parent} is not writable; choose another --output")
-
-
-@contextlib.contextmanager
-def _no_empty_folders(path):
-    """Removes the folders on the way to `path` that the block created and left empty.
-
-    The experiment creates its folder with its first file; a run that fails
-    before writing anything (or whose first write fails) leaves nothing behind.
-    """
-    missing = None
-    probe = os.path.abspath(path)
-    while not os.path.lexists(probe):
-        missing, probe = probe, os.path.dirname(probe)
-    try:
-        yield
-    finally:
-        if missing is not None and os.path.isdir(missing):
-            for folder, _, _ in os.walk(missing, topdown=False):
-                with contextlib.suppress(OSError):
-                    os.rmdir(folder)  # only an empty folder goes
-
-
-@contextlib.contextmanager
-def _claimed(path, overwrite):
-    """Holds `path` for this run: a second run into the same --output at the same time is
-    refused (its files would silently replace this run's), naming the process that holds it.
-
-    The claim is an exclusive `flock` on a lock file in the folder, released when the
-    process ends, however it ends (a kill leaves only the file, which claims nothing). The
-    run removes the file when it ends.
-    """
-    import fcntl
-    import time
-
-    os.makedirs(path, exist_ok=True)
-    lock = os.path.join(path, LOCK_NAME)
-    handle = open(lock, "a+")  # noqa: SIM115 (held for the run)
-    try:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        handle.seek(0)
-        holder = handle.read().strip() or "another process"
-        handle.close()
-        raise UsageError(
-            f"--output {path} is in use by another run ({holder}); wait for it to finish, "
-            "or choose another --output") from None
-    try:
-        # Checked again under the claim: a run that started meanwhile may have written.
-        names = _held_files(path)
-        if names and not overwrite:
-            raise UsageError(
-                f"--output {path} already holds files ({', '.join(names[:4])}"
-                f"{', ...' if len(names) > 4 else ''}); pass --overwrite to replace them, or "
-                "choose another --output")
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-        handle.flush()
-        yield
-    finally:
-        with contextlib.suppress(OSError):
-            os.remove(lock)
-        handle.close()
-
-
 def _add_training_flags(parser):
     from keras_multigpu.experiment_config import Config
 
@@ -292,43 +122,6 @@ def _config(args, gpus, output):
     return config
 
 
-def cmd_devices(args):
-    from keras_multigpu import nvml
-
-    found = devices_lib.list_devices()
-    report = nvml.gpu_report()  # NVML only: no framework, no device memory
-    cpus = sum(d.kind == "cpu" for d in found)
-    if args.json:
-        print(json.dumps({"devices": [dataclasses.asdict(d) for d in found], **report,
-                          "cpu_devices": cpus}, indent=2))
-        return 0
-    for d in found:
-        memory = f"{d.memory_bytes / 2**30:.1f} GiB" if d.memory_bytes else "-"
-        print(f"{str(d):8} {d.name:32} {memory}")
-    if not report["gpus"]:
-        reason = report["nvml"] if report["nvml"] != "ok" else "no GPU visible"
-        print(f"No GPU found (NVML: {reason}); CPU devices: {cpus}")
-    for gpu in report["gpus"]:
-        print(_gpu_line(gpu))
-    return 0
-
-
-def _gpu_line(gpu):
-    """One GPU's NVML facts on a line; '?' where NVML could not say (e.g. '? W')."""
-    def shown(value, form):
-        return form.replace("{:.0f}", "?").replace("{}", "?") if value is None else (
-            form.format(value))
-
-    used, total = gpu["memory_used_bytes"], gpu["memory_total_bytes"]
-    memory = "?" if used is None else f"{used / 2**30:.1f}/{total / 2**30:.1f} GiB"
-    links = gpu["nvlink"]
-    nvlink = "none" if links is None else f"{sum(links)}/{len(links)} links up"
-    return (f"gpu:{gpu['id']} {shown(gpu['name'], '{}')}: memory {memory}, util "
-            f"{shown(gpu['utilization_gpu'], '{}%')}, {shown(gpu['temperature_c'], '{} C')}, "
-            f"{shown(gpu['power_w'], '{:.0f} W')}, PCIe gen {shown(gpu['pcie_generation'], '{}')}"
-            f" x{shown(gpu['pcie_width'], '{}')}, NVLink {nvlink}")
-
-
 def _verdict(accuracy, target):
     """`(text, exit status)` of `--target-acc`; `(None, 0)` without one."""
     if target is None:
@@ -367,13 +160,6 @@ def _train_one(config, target, overwrite=None):
     verdict, status = _verdict(summary["final_val_accuracy"], target)
     print(_closing(summary, config.output, verdict), flush=True)
     return summary, status
-
-
-def _needs_experiment(command):
-    """`train`, `compare` and `bench` draw figures: matplotlib comes with the extra."""
-    from keras_multigpu._extras import require
-
-    require("matplotlib", "experiment", f"keras-multigpu {command}")
 
 
 def cmd_train(args):
@@ -420,164 +206,6 @@ def cmd_compare(args):
             parts.append(f"--target-acc {args.target_acc:g} passed by every run")
     print("; ".join(parts))
     return EXIT_TARGET_MISSED if missed else 0
-
-
-def _host_counts(text):
-    return _distinct_counts(text, "host counts", "1,2,4,16")
-
-
-def _parameter_count(text):
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 1 <= value < math.inf or value != int(value):
-        raise argparse.ArgumentTypeError(
-            f"expected a whole number of parameters, like 44500000 or 44.5e6; got {text!r}"
-        )
-    return int(value)
-
-
-PROJECT_MAX_STEPS = 8  # `bench --project` measures at most this many steps per epoch
-
-
-def _cmd_project(args):
-    """`bench --project`: the cost model alone, from --step-ms or one short ours-1 run."""
-    from keras_multigpu import bench
-    from keras_multigpu.bench import harness
-
-    if args.setups:
-        raise UsageError("--project runs no setups; leave out --setups")
-    batch = args.batch_per_device
-    spec = bench.spec(
-        model=args.model, width=args.width, samples=min(args.samples, PROJECT_MAX_STEPS * batch),
-        epochs=1, batch_per_device=batch, precision=args.precision, fit_calls=0,
-        placement=args.placement)
-    results = harness.project_only(spec, step_ms=args.step_ms, parameters=args.params,
-                                   hosts=args.hosts, gpus_per_host=args.gpus_per_host,
-                                   output=args.output, timeout=args.timeout)
-    print(harness.format_projection(results["projection"]))
-    print(f"\nWrote {os.path.join(args.output, 'projection.json')}")
-    return 0
-
-
-def cmd_bench(args):
-    _needs_experiment(args.command)
-    from keras_multigpu import bench
-
-    if args.project:
-        return _cmd_project(args)
-    if args.setups:
-        setups = [bench.parse(name) for name in args.setups.split(",") if name.strip()]
-    else:
-        found = devices_lib.list_devices()
-        count = args.devices or (len(found) if found[0].kind == "gpu" else 2)
-        setups = bench.default_setups(count)
-    spec = bench.spec(model=args.model, width=args.width, samples=args.samples,
-                      epochs=args.epochs, batch_per_device=args.batch_per_device,
-                      precision=args.precision, fit_calls=args.fit_calls,
-                      fit_epochs=args.fit_epochs, placement=args.placement)
-    results = bench.run(setups, spec, rounds=args.rounds, output=args.output,
-                        timeout=args.timeout, step_ms=args.step_ms, parameters=args.params,
-                        hosts=args.hosts, gpus_per_host=args.gpus_per_host)
-    print(bench.format_table(results))
-    return 0
-
-
-def _port(text):
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port number from 1 to 65535, got {text!r}")
-    return value
-
-
-def _default_processes():
-    """One process per GPU; on a CPU-only machine, KERAS_MULTIGPU_CPU_DEVICES (else 1)."""
-    return len(devices_lib.list_devices())
-
-
-def cmd_launch(args):
-    from keras_multigpu import launch
-
-    command = (["-m"] if args.module else []) + [args.script, *args.args]
-    base = dict(os.environ)
-    try:
-        nnodes, node_rank, address, port, node_hosts = _nodes(args, launch)
-        backend = (os.environ.get("KERAS_BACKEND") or "").strip() or _configured_backend()
-        # Neither set: Keras's default, TensorFlow, unless the script names another itself;
-        # its workers get TF_CONFIG wherever their addresses are known.
-        tf_config = backend == "tensorflow" or backend is None and (
-            nnodes == 1 or node_hosts is not None or address in launch.LOOPBACK)
-        return launch.launch(
-            args.nproc or _default_processes(), command, address=address, port=port,
-            quiet_ranks=args.quiet_ranks, timeout=args.timeout, base_env=base,
-            nnodes=nnodes, node_rank=node_rank, max_restarts=args.max_restarts,
-            node_hosts=node_hosts, tf_config=tf_config,
-        )
-    except launch.LaunchError as error:
-        raise UsageError(str(error)) from None
-
-
-def _configured_backend():
-    """The backend named in Keras's own config file, found as Keras finds it
-    (`$KERAS_HOME/keras.json`, else `~/.keras/keras.json`, else `/tmp/.keras/keras.json`
-    where the home folder is not writable), read without importing Keras; None when it
-    names none."""
-    if "KERAS_HOME" in os.environ:
-        home = os.environ["KERAS_HOME"]
-    else:
-        base = os.path.expanduser("~")
-        home = os.path.join(base if os.access(base, os.W_OK) else "/tmp", ".keras")
-    try:
-        with open(os.path.join(home, "keras.json")) as f:
-            backend = json.load(f).get("backend")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return backend.strip() if isinstance(backend, str) and backend.strip() else None
-
-
-def _nodes(args, launch):
-    """`(nnodes, node_rank, master address, master port, node hosts)`: the flags, else SLURM's
-    variables, else torchrun's (`NNODES`, `NODE_RANK`, `MASTER_ADDR`, `MASTER_PORT`)."""
-    slurm = launch.from_slurm(os.environ) if args.nnodes is None else None
-    env = os.environ
-    if slurm is not None:
-        nnodes, node_rank, address, node_hosts = slurm
-    else:
-        nnodes = args.nnodes if args.nnodes is not None else _env_int("NNODES", 1)
-        node_rank = _env_int("NODE_RANK", 0)
-        address, node_hosts = None, None
-    if args.node_rank is not None:
-        node_rank = args.node_rank
-    address = args.master_addr or address or env.get("MASTER_ADDR") or "127.0.0.1"
-    port = args.master_port if args.master_port is not None else (
-        _env_int("MASTER_PORT", None) if env.get("MASTER_PORT") else None)
-    if args.hosts:
-        node_hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
-    if not 0 <= node_rank < nnodes:
-        raise launch.LaunchError(f"--node-rank must be in 0..{nnodes - 1} (--nnodes {nnodes}). "
-                                 f"Received: --node-rank {node_rank}.")
-    if nnodes > 1 and node_rank > 0 and address in launch.LOOPBACK and slurm is None and not (
-            args.master_addr):
-        raise launch.LaunchError(
-            f"--node-rank {node_rank} of --nnodes {nnodes} needs --master-addr: the address "
-            "of node 0, where rank 0 listens (pass 127.0.0.1 explicitly when every node is "
-            "this machine)."
-        )
-    return nnodes, node_rank, address, port, node_hosts
-
-
-def _env_int(name, default):
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise UsageError(f"{name} must be an integer. Received: {name}={raw!r}.") from None
 
 
 def build_parser():
