@@ -254,7 +254,7 @@ import os, shutil, sys
 os.environ["KERAS_BACKEND"] = "jax"
 import keras, numpy as np
 import keras_multigpu as kmg
-from keras_multigpu import callbacks
+from keras_multigpu import callbacks, checkpoint
 
 real_rmtree = shutil.rmtree
 
@@ -274,7 +274,7 @@ parallel.compile(optimizer="adam", loss="mse")
 x, y = np.ones((16, 4), "float32"), np.ones((16, 1), "float32")
 parallel.fit(x, y, batch_size=8, epochs=2, verbose=0,
              callbacks=[callbacks.Checkpoint(sys.argv[1], keep=2)])
-callbacks.shutil.rmtree = killed_midway  # the 3rd checkpoint retires the 1st
+checkpoint.shutil.rmtree = killed_midway  # the 3rd checkpoint retires the 1st
 parallel.fit(x, y, batch_size=8, epochs=3, verbose=0,
              callbacks=[callbacks.Checkpoint(sys.argv[1], keep=2)])
 """

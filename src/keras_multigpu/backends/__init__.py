@@ -73,6 +73,11 @@ would (the `check` test in tests/test_backends.py holds every engine to this):
 - "process_per_device": one process per device (torch): a script started
   with `python` on several devices is relaunched by the launcher
   (`keras_multigpu.launch.relaunch`).
+- "metric_shares": `global_metric_state(variables)`, the metrics' global
+  values from every process's share, and `local_metric_state(variables,
+  values)`, this process's share of saved global values (torch, whose
+  processes each hold a share); elsewhere the metric variables hold the
+  global values (a `Checkpoint` saves and restores them as they are).
 
 With several processes, each engine hands `keras_multigpu.processes` its
 key-value store when they join: the process rules (saves, random state,
@@ -108,6 +113,7 @@ CAPABILITY_NAMES = {
     "to_backend": ("to_backend",),
     "batch_spec": ("batch_spec",),
     "process_per_device": (),
+    "metric_shares": ("global_metric_state", "local_metric_state"),
 }
 
 

@@ -1,0 +1,148 @@
+"""What a `Checkpoint` keeps of a run besides the model, and how it puts it back (a mixin):
+the epoch and step, the data order read so far, the generators, the model's
+`SeedGenerator`s and the metrics."""
+
+import os
+import random
+
+import keras
+import numpy as np
+
+from keras_multigpu import backends, batching
+from keras_multigpu._keras import global_state, io_utils, seed_generator
+
+CHECKPOINT_FORMAT = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read, or that does not fit the run resuming from it."""
+
+
+def _seed_generators(model):
+    """The model's `SeedGenerator`s (Dropout's, noise layers', a model's own), in layer order.
+
+    Their states are not in a `.keras` file, and a rebuilt model starts them at
+    zero: a resumed run would draw other masks than an uninterrupted one.
+    """
+    found, seen = [], set()
+    for layer in model._flatten_layers(include_self=True):
+        for generator in getattr(layer, "_seed_generators", ()):
+            if id(generator) not in seen:
+                seen.add(id(generator))
+                found.append(generator)
+    return found
+
+
+def _global_seed_generator():
+    return global_state.get_global_attribute("global_seed_generator")
+
+
+def _numpy(variable):
+    return np.asarray(variable.numpy())
+
+
+def _metric_state(model):
+    variables = model.metrics_variables
+    if backends.has(model._backend, "metric_shares"):
+        return model._backend.global_metric_state(variables)
+    return [_numpy(v) for v in variables]
+
+
+class CheckpointState:
+    """`Checkpoint`'s state: `_state` (to save) and `_restore`."""
+
+    def _state(self, epoch, step, dataset, metrics=None):
+        model = self._parallel()
+        position = dataset.position() if dataset is not None else None
+        now = dataset._generators() if hasattr(dataset, "_generators") else None
+        whole = None if dataset is None else dataset.num_batches + dataset.skip
+        if step == 0 or position is None or step == whole:
+            # A pass not begun, or an epoch's end: the generators as they are now draw the
+            # next pass (not the finished pass's start, which would draw it again).
+            generators, order = now, None
+        else:
+            generators, order = position["generators"], position["order"]
+        state = {
+            "format": CHECKPOINT_FORMAT,
+            "epoch": int(epoch), "step": int(step), "global_step": int(self._global),
+            "num_batches": None if dataset is None else int(dataset.num_batches + dataset.skip),
+            "replicas": model.num_replicas,
+            "data": {"generators": generators, "now": now},
+            "random": {**batching.generator_state(random),
+                       **batching.generator_state(np.random)},
+        }
+        arrays = {}
+        if order:
+            batches = [np.atleast_1d(np.asarray(b, "int64")) for b in order]
+            arrays["order"] = np.concatenate(batches)
+            arrays["order_lengths"] = np.asarray([len(b) for b in batches], "int64")
+        for i, generator in enumerate(_seed_generators(model.template)):
+            arrays[f"seed_{i}"] = _numpy(generator.state)
+        global_generator = _global_seed_generator()
+        if global_generator is not None:
+            arrays["seed_global"] = _numpy(global_generator.state)
+        for i, value in enumerate(metrics or ()):
+            arrays[f"metric_{i}"] = value
+        return state, arrays
+
+    def _restore(self, path, state, arrays):
+        model = self._parallel()
+        template = model.template
+        dataset = model._fit_dataset
+        batches = state["num_batches"]
+        have = None if dataset is None else dataset.num_batches + dataset.skip
+        if batches != have:
+            raise CheckpointError(
+                f"Checkpoint {path} was written by a run with {batches} steps per epoch; this "
+                f"fit has {have}. Resume with the same data and batch_size, or pass "
+                "resume=False (or another directory) to start afresh."
+            )
+        optimizer = getattr(template, "optimizer", None)
+        if optimizer is not None and not optimizer.built:
+            optimizer.build(template.trainable_variables)
+        try:
+            template.load_weights(os.path.join(path, "model.keras"))
+        except (ValueError, OSError) as error:
+            raise CheckpointError(
+                f"Checkpoint {path} does not fit this model: {error}. Resume with the "
+                "program that wrote it, or pass resume=False."
+            ) from error
+        generators = _seed_generators(template)
+        for i, generator in enumerate(generators):
+            if f"seed_{i}" in arrays:
+                generator.state.assign(arrays[f"seed_{i}"])
+        if "seed_global" in arrays:
+            keras.random.SeedGenerator  # noqa: B018 (the global one exists once used)
+            global_generator = _global_seed_generator()
+            if global_generator is None:
+                global_generator = seed_generator.global_seed_generator()
+            global_generator.state.assign(arrays["seed_global"])
+        batching.set_generator_state(random, {"python": state["random"]["python"]})
+        batching.set_generator_state(np.random, {"numpy": state["random"]["numpy"]})
+        epoch, step = state["epoch"], state["step"]
+        if step >= batches:  # an epoch's end: the next begins afresh
+            epoch, step = epoch + 1, 0
+        order = None
+        if "order" in arrays:
+            order = np.split(arrays["order"], np.cumsum(arrays["order_lengths"])[:-1])
+        if dataset is not None and (step or state["data"]["generators"] is not None):
+            if step and not dataset.resumable:
+                raise CheckpointError(
+                    f"Checkpoint {path} was saved in the middle of an epoch, and this fit's "
+                    f"input ({type(dataset).__name__}) cannot start there. Pass the arrays or "
+                    "PyDataset the checkpoint was written with."
+                )
+            dataset.resume({"generators": state["data"]["generators"], "order": order,
+                            "now": state["data"].get("now")}, step)
+        self._pending_metrics = {int(k[len("metric_"):]): v for k, v in arrays.items()
+                                 if k.startswith("metric_")} or None
+        model._replicate_state()
+        model._initial_epoch = epoch
+        self._resumed_epoch, self._offset = epoch, step
+        self._global = state["global_step"]
+        self._last_saved = self._global
+        self.resumed_from = path
+        io_utils.print_msg(
+            f"Checkpoint: resuming from {path} at epoch {epoch + 1}, step {step}/{batches}.")
+
+    # -- the callback ----------------------------------------------------

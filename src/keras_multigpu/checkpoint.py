@@ -1,0 +1,333 @@
+"""`Checkpoint`: saves what a run needs to resume exactly, mid-epoch included, and resumes
+from it when `fit` starts. Each checkpoint is a folder written whole or not at all."""
+
+import json
+import os
+import shutil
+import warnings
+import zipfile
+
+import keras
+import numpy as np
+
+from keras_multigpu import _io, backends
+from keras_multigpu._checkpoint_state import (
+    CHECKPOINT_FORMAT,
+    CheckpointError,
+    CheckpointState,
+    _metric_state,
+)
+
+_PREFIX = "ckpt-"
+
+
+def _fsync_tree(directory):
+    for name in os.listdir(directory):
+        with open(os.path.join(directory, name), "rb") as f:
+            os.fsync(f.fileno())
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _retire(path):
+    """Removes checkpoint folder `path` without ever leaving a half-removed folder under a
+    checkpoint's name: renamed to a hidden name first (atomic), then deleted (a kill in
+    between leaves a hidden leftover that the next run's start removes)."""
+    directory, name = os.path.split(path)
+    old = os.path.join(directory, f".{name}.old-{os.getpid()}")
+    os.replace(path, old)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _dead_leftover(name):
+    """A `.ckpt-*.tmp-<pid>` or `.old-<pid>` folder whose writer is gone."""
+    if not name.startswith("." + _PREFIX) or "-" not in name:
+        return False
+    owner = name.rsplit("-", 1)[-1]
+    return owner.isdigit() and int(owner) != os.getpid() and not _io._alive(int(owner))
+
+
+class Checkpoint(CheckpointState, keras.callbacks.Callback):
+    """Saves what a run needs to resume exactly, and resumes from it when `fit` starts.
+
+    Keras's `BackupAndRestore` resumes at the start of the epoch it was
+    interrupted in, with the weights of the middle of it, and keeps no
+    generator state or data position: the resumed run is another run. This
+    callback keeps, in each checkpoint (a folder `ckpt-<step>` of
+    `directory`):
+
+    - `model.keras`: the model with its optimizer state (so the learning-rate
+      schedule's position, the optimizer's iteration count), a plain Keras file;
+    - `state.json`: the epoch, the step within it, the global step, the
+      generators the data order is drawn from (as the epoch started) and
+      Python's and NumPy's global generators;
+    - `arrays.npz`: the epoch's data order as read so far, the states of the
+      model's `SeedGenerator`s (Dropout masks, noise) and of the metrics.
+
+    Resuming (the next `fit` with this callback, after a crash, a kill or a
+    Ctrl-C) loads the newest readable checkpoint, restores every state, and
+    draws the interrupted epoch's order again, serving only its remaining
+    batches: the run ends with the weights an uninterrupted run has, when
+    the program sets the same seed (`keras.utils.set_random_seed`) and builds
+    the same model. Keras shows the resumed epoch with its remaining steps.
+
+    A checkpoint appears whole or not at all: it is written to a hidden folder
+    and renamed. One that cannot be read (a truncated file, a damaged archive)
+    is named in a warning and the one before it is used. With several
+    processes, the first writes and every one reads.
+
+    Needs a `ParallelModel` (`multi_gpu_model(model, gpus=1)` for one
+    device), whose `fit` knows the data position. Other callbacks' own state
+    (EarlyStopping's patience, ReduceLROnPlateau's) is not kept.
+
+    Args:
+        directory: the folder of checkpoints (created if missing).
+        save_freq: `"epoch"` (the default) saves at each epoch's end; an
+            int N saves every N training steps too, as Keras's
+            `ModelCheckpoint(save_freq=N)` and `BackupAndRestore` count
+            them. Mid-epoch saves need arrays or a `PyDataset` of known
+            length as input.
+        keep: how many checkpoints to keep, the newest (at least 1).
+        resume: whether `fit` resumes from the newest checkpoint found.
+        every_steps: the same as an int `save_freq` (its earlier name).
+    """
+
+    def __init__(self, directory, save_freq="epoch", keep=3, resume=True, every_steps=None):
+        super().__init__()
+        if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
+            raise TypeError(f"directory must be a folder path. Received: {directory!r}.")
+        if every_steps is not None:
+            if save_freq != "epoch":
+                raise ValueError(
+                    "Pass save_freq or every_steps (its earlier name), not both. Received: "
+                    f"save_freq={save_freq!r}, every_steps={every_steps!r}.")
+            save_freq = every_steps
+        if save_freq != "epoch" and (isinstance(save_freq, bool) or not isinstance(
+                save_freq, (int, np.integer)) or save_freq < 1):
+            raise ValueError(
+                "save_freq must be 'epoch' (a checkpoint at each epoch's end) or an int >= 1 "
+                f"(every that many steps, and at epoch ends). Received: save_freq={save_freq!r}."
+            )
+        if isinstance(keep, bool) or not isinstance(keep, (int, np.integer)) or keep < 1:
+            raise ValueError(f"keep must be an int >= 1. Received: keep={keep!r}.")
+        self.directory = os.fspath(directory)
+        self.save_freq = save_freq
+        self.every_steps = None if save_freq == "epoch" else int(save_freq)
+        self.keep = int(keep)
+        self.resume = resume
+        self.resumed_from = None  # the checkpoint `fit` resumed from, if any
+        self._found = None  # the checkpoint `resume_point` read, for `on_train_begin`
+        self._reset_position()
+
+    def _reset_position(self):
+        self._epoch = 0
+        self._in_epoch = 0
+        self._offset = 0  # steps of the resumed epoch done before the resume
+        self._resumed_epoch = None
+        self._global = 0
+        self._epoch_start_global = 0
+        self._pending_metrics = None
+        self._last_saved = None
+
+    # -- where things are ------------------------------------------------
+
+    def _parallel(self):
+        model = self.model
+        if not hasattr(model, "_fit_dataset"):
+            raise TypeError(
+                "Checkpoint needs a ParallelModel, whose fit knows the data position. "
+                f"Received a {type(model).__name__}. Wrap it: "
+                "keras_multigpu.multi_gpu_model(model, gpus=1) trains on one device."
+            )
+        return model
+
+    def _writer(self):
+        return self.model._backend.process_index() == 0
+
+    def checkpoints(self):
+        """The checkpoint folders in `directory`, oldest first."""
+        if not os.path.isdir(self.directory):
+            return []
+        names = sorted(n for n in os.listdir(self.directory)
+                       if n.startswith(_PREFIX) and n[len(_PREFIX):].isdigit())
+        return [os.path.join(self.directory, n) for n in names]
+
+    # -- reading ---------------------------------------------------------
+
+    @staticmethod
+    def read(path):
+        """The state of checkpoint `path`: `(state, arrays)`; a `CheckpointError` if damaged."""
+        try:
+            with open(os.path.join(path, "state.json")) as f:
+                state = json.load(f)
+            if state.get("format") != CHECKPOINT_FORMAT:
+                raise CheckpointError(f"format {state.get('format')!r}, expected "
+                                      f"{CHECKPOINT_FORMAT}")
+            with np.load(os.path.join(path, "arrays.npz")) as loaded:
+                arrays = {key: loaded[key] for key in loaded.files}
+            with zipfile.ZipFile(os.path.join(path, "model.keras")) as archive:
+                bad = archive.testzip()
+                if bad is not None:
+                    raise CheckpointError(f"model.keras: {bad} fails its checksum")
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as error:
+            raise CheckpointError(
+                f"Checkpoint {path} cannot be read: {type(error).__name__}: {error}. It is "
+                "truncated or damaged (a crash while it was copied, a full disk?)."
+            ) from error
+        return state, arrays
+
+    def _newest_readable(self):
+        found = self.checkpoints()
+        for path in reversed(found):
+            try:
+                return path, *self.read(path)
+            except CheckpointError as error:
+                warnings.warn(f"{error} Using the checkpoint before it.", stacklevel=3)
+        if found:
+            raise CheckpointError(
+                f"No checkpoint in {self.directory} can be read ({len(found)} found, all "
+                "damaged; see the warnings). Move the folder away to start afresh, or pass "
+                "resume=False."
+            )
+        return None
+
+    # -- writing ---------------------------------------------------------
+
+    def _prepare_directory(self):
+        _io.writable_folder(self.directory, f"Checkpoint cannot write to {self.directory}",
+                            "Pass a folder this process can write to.")
+        for name in os.listdir(self.directory):
+            if _dead_leftover(name):
+                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+
+    def save(self, epoch, step):
+        """Writes a checkpoint of the position `(epoch, step)` (steps done in `epoch`).
+
+        A checkpoint that cannot be written (a full disk) raises an `OSError` naming it;
+        the checkpoints before it stay whole, and nothing half-written is left.
+        """
+        model = self._parallel()
+        if self._last_saved == self._global:
+            return
+        sync = getattr(model, "jax_state_sync", None)
+        if sync is not None:
+            sync()  # JAX keeps the state out of the variables within an epoch
+        name = f"{_PREFIX}{self._global:09d}"
+        final = os.path.join(self.directory, name)
+        tmp = os.path.join(self.directory, f".{name}.tmp-{os.getpid()}")
+        writer = self._writer()
+        try:
+            if writer:
+                shutil.rmtree(tmp, ignore_errors=True)
+                os.makedirs(tmp)
+            # Every process calls save (the engines write on the first and wait for it).
+            model.template.save(os.path.join(tmp, "model.keras"))
+            self._last_saved = self._global
+            # The epoch's metrics so far, for its logs after a resume: one device's state
+            # (with several processes, each holds a part; every process joins in gathering).
+            whole = self._whole()
+            metrics = _metric_state(model) if whole is not None and 0 < step < whole else None
+            if not writer:
+                return
+            state, arrays = self._state(epoch, step, model._fit_dataset, metrics)
+            with open(os.path.join(tmp, "state.json"), "w") as f:
+                json.dump(state, f)
+            np.savez(os.path.join(tmp, "arrays.npz"), **arrays)
+            _fsync_tree(tmp)
+            if os.path.exists(final):  # the same step saved before (a resume): replace it
+                _retire(final)
+            os.replace(tmp, final)
+        except OSError as error:
+            if writer:
+                shutil.rmtree(tmp, ignore_errors=True)
+            self._last_saved = None
+            raise OSError(
+                error.errno,
+                f"Checkpoint could not write {final} (epoch {epoch + 1}, step {step}): "
+                f"{error.strerror or error}. {_io.hint(error)} The checkpoints before it in "
+                f"{self.directory} are whole; a resumed run starts from the newest of them."
+            ) from error
+        for stale in self.checkpoints()[:-self.keep]:
+            _retire(stale)
+
+    # -- resuming --------------------------------------------------------
+
+    def on_train_begin(self, logs=None):
+        model = self._parallel()
+        self._reset_position()
+        self.resumed_from = None
+        dataset = model._fit_dataset
+        if self.every_steps and dataset is not None and not dataset.resumable:
+            raise ValueError(
+                f"Checkpoint(save_freq={self.every_steps}) saves in the middle of epochs, "
+                f"and this fit's input ({type(dataset).__name__}) cannot resume there. Pass "
+                "arrays or a keras.utils.PyDataset of known length, or save_freq='epoch' "
+                "(a checkpoint at each epoch's end)."
+            )
+        if self._writer():
+            self._prepare_directory()
+        found, self._found = self._found, None
+        if self.resume and found is None:
+            found = self._newest_readable()
+        if self.resume and found is not None:
+            self._restore(*found)
+
+    def resume_point(self):
+        """`(epoch, step)` where `fit` will resume (`step` steps of `epoch` done), or None.
+
+        `ParallelModel.fit` asks before it starts, to run a resumed epoch as
+        Keras runs a whole one. The checkpoint read is kept for `on_train_begin`.
+        """
+        self._found = self._newest_readable() if self.resume else None
+        if self._found is None:
+            return None
+        state = self._found[1]
+        return state["epoch"], state["step"]
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+        self._in_epoch = self._offset if epoch == self._resumed_epoch else 0
+        self._epoch_start_global = self._global - self._in_epoch
+        if self._pending_metrics is not None and epoch == self._resumed_epoch:
+            variables = self.model.metrics_variables
+            values = [self._pending_metrics.get(i) for i in range(len(variables))]
+            share = backends.has(self.model._backend, "metric_shares")
+            if share:
+                values = self.model._backend.local_metric_state(variables, values)
+            for variable, value in zip(variables, values):
+                if value is not None:
+                    variable.assign(value)
+            if not share:  # (an engine with shares must not make them equal again)
+                self.model._replicate_state()
+        self._pending_metrics = None
+
+    def _whole(self):
+        dataset = self.model._fit_dataset
+        return None if dataset is None else dataset.num_batches + dataset.skip
+
+    def on_train_batch_end(self, batch, logs=None):
+        offset = self._offset if self._epoch == self._resumed_epoch else 0
+        self._in_epoch = batch + 1 + offset
+        self._global = self._epoch_start_global + self._in_epoch
+        dataset = self.model._fit_dataset
+        whole = None if dataset is None else dataset.num_batches + dataset.skip
+        if (self.every_steps and self._global % self.every_steps == 0
+                and self._in_epoch != whole):
+            self.save(self._epoch, self._in_epoch)
+
+    def on_epoch_end(self, epoch, logs=None):
+        dataset = self.model._fit_dataset
+        whole = None if dataset is None else dataset.num_batches + dataset.skip
+        self.save(epoch, whole if whole is not None else self._in_epoch)
+
+    def on_interrupt(self):
+        """After a Ctrl-C (at a step boundary): a checkpoint of the steps done."""
+        if self._in_epoch:
+            self.save(self._epoch, self._in_epoch)
+        self.model._initial_epoch = None
+
+    def on_train_end(self, logs=None):
+        self.model._initial_epoch = None
