@@ -1,0 +1,107 @@
+"""The exactness rules for random draws, written once in `keras.ops` (see `rules`): a draw
+whose first dimension is the replica's rows is drawn for the global batch and sliced to
+the replica's rows, so each row gets one device's numbers; Dropout's mask likewise."""
+
+import inspect
+
+import keras
+
+from keras_multigpu._keras import seed_generator
+
+
+class _Drawn(seed_generator.SeedGenerator):
+    """A seed already drawn, handed to Keras's draw functions as a generator would be:
+    every branch of a traced draw then uses one draw, so the layer's generator moves on
+    once per call, as on one device."""
+
+    def __init__(self, value):  # no state variable: `next` only returns `value`
+        self.value = value
+        self._initial_seed = 0
+
+    def next(self, ordered=True):
+        return self.value
+
+
+def _seeded(seed):
+    """Whether Keras draws `seed`'s numbers from a seed (not from the framework's own
+    global generator, as torch does for an unseeded draw)."""
+    return seed is not None and not (isinstance(seed, seed_generator.SeedGenerator)
+                                     and seed._initial_seed is None)
+
+
+def batch_draw(replica, draw, shape, seed):
+    """`draw(shape, seed)`, where a first dimension of whole multiples of the replica's rows
+    is the batch's.
+
+    Such a draw is made for the global batch and this replica's rows are taken from it,
+    so that every row gets the numbers it gets on one device. A first dimension of c times
+    the rows is c blocks of them, as one device's draw for c times its rows holds them (a
+    GAN's noise for its real and generated rows, concatenated): this replica's rows of
+    each block are taken. Other draws are the replica's own: each replica draws what one
+    device does. Eager engines see plain ints, so a first dimension that is a multiple of
+    k by chance is taken for the batch's too; traced ones take a static one for none.
+    """
+    if keras.ops.is_tensor(shape):
+        shape = [shape[i] for i in range(int(shape.shape[0]))]
+    shape = list(shape)
+    k, n, start = replica.k, replica.n, replica.start
+    if not shape or (replica.traced and isinstance(shape[0], int)):
+        return draw(shape, seed)
+    if not replica.traced:
+        rows = int(shape[0])
+        if k == n or (k and rows % k) or bool(k) != bool(rows):
+            return draw(shape, seed)
+        # A replica with no rows draws one block, as many numbers as a draw shaped by the
+        # batch (the common case) takes from the generators the others draw from.
+        blocks = rows // k if k else 1
+        drawn = draw([blocks * n, *shape[1:]], _Drawn(seed_generator.draw_seed(seed))
+                     if _seeded(seed) else seed)
+        if blocks == 1:
+            return drawn[start:start + k]
+        return keras.ops.concatenate([drawn[b * n + start:b * n + start + k]
+                                      for b in range(blocks)])
+    seed = _Drawn(seed_generator.draw_seed(seed))
+    rows = keras.ops.cast(shape[0], "int32")
+    blocks = keras.ops.floor_divide(rows, keras.ops.maximum(k, 1))
+
+    rest = [keras.ops.cast(d, "int32") if keras.ops.is_tensor(d) else d for d in shape[1:]]
+
+    def global_rows():
+        drawn = draw([blocks * n, *rest], seed)
+        mine = keras.ops.reshape(keras.ops.arange(blocks)[:, None] * n + start
+                                 + keras.ops.arange(k)[None, :], [-1])
+        return keras.ops.take(drawn, mine, axis=0)
+
+    batch_shaped = keras.ops.logical_and(
+        keras.ops.logical_and(k > 0, keras.ops.equal(rows, blocks * k)), blocks > 0)
+    return keras.ops.cond(batch_shaped, global_rows, lambda: draw(shape, seed))
+
+
+def random_draw(replica, original, *args, **kwargs):
+    """Keras's `normal`, `uniform`, ... (`original`, with `shape` and `seed` arguments),
+    drawn by `batch_draw`."""
+    arguments = inspect.signature(original).bind(*args, **kwargs).arguments
+
+    def draw(shape, seed):
+        return original(**{**arguments, "shape": shape, "seed": seed})
+
+    return batch_draw(replica, draw, arguments["shape"], arguments.get("seed"))
+
+
+def dropout(replica, original, inputs, rate, noise_shape=None, seed=None):
+    """Keras's `dropout` (`original`) with its mask drawn by `batch_draw`: the mask is
+    Keras's dropout of ones (with a noise shape only where the user gave one, as Keras
+    draws from the seed then), times the inputs."""
+    if isinstance(rate, (int, float)) and rate in (0.0, 1.0):
+        return original(inputs, rate, noise_shape, seed)
+    dims = list(keras.ops.shape(inputs))
+    if replica.traced:  # the inputs' first dimension is the step's rows, even if known
+        dims[0] = keras.ops.convert_to_tensor(dims[0], "int32")
+    concrete = dims if noise_shape is None else [
+        dim if size is None else size for dim, size in zip(dims, noise_shape)]
+
+    def draw(shape, seed):
+        ones = keras.ops.ones(shape, dtype=inputs.dtype)
+        return original(ones, rate, None if noise_shape is None else shape, seed)
+
+    return inputs * batch_draw(replica, draw, concrete, seed)
