@@ -92,11 +92,12 @@ def _predicts(program):
     return getattr(program, "PREDICT", True)
 
 
-def _close(expected, actual, what):
+def _close(expected, actual, what, extra_atol=0.0):
     # On torch, the float64 runs keep float32 rounding somewhere in Keras's own loss path (one
     # device's logged losses have float32 resolution): they are held to the float32 tolerance.
     precise = keras.config.floatx() == "float64" and keras.backend.backend() != "torch"
     rtol, atol = (RTOL64, ATOL64) if precise else (RTOL, ATOL)
+    atol += extra_atol
     np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), rtol=rtol, atol=atol,
                                err_msg=what)
 
@@ -114,7 +115,7 @@ def _per_output_loss(model, key):
     return len(names) > 1 and key in {f"{name}_loss" for name in names}
 
 
-def _compare(reference, run, gpus):
+def _compare(reference, run, gpus, program):
     ref_model, _, _, ref_history, ref_predicted = reference
     model, _, _, history, predicted = run
     assert history.keys() == ref_history.keys(), f"{gpus} devices: history keys"
@@ -134,7 +135,28 @@ def _compare(reference, run, gpus):
         return
     for i, (expected, actual) in enumerate(zip(keras.tree.flatten(ref_predicted),
                                                 keras.tree.flatten(predicted))):
-        _close(expected, actual, f"{gpus} devices: predict output {i}")
+        what = f"{gpus} devices: predict output {i}"
+        try:
+            _close(expected, actual, what)
+        except AssertionError:
+            # Each device predicts on its own rows, a smaller batch than one device's: where
+            # the CPU's kernels round a smaller batch otherwise (an AVX2 machine, not an
+            # AVX-512 one, on p04), one device alone differs as much between those batch
+            # sizes. That measured floor is allowed on top of the tolerance, nothing more.
+            floor = _batch_shape_floor(reference[1], program, gpus, i)
+            _close(expected, actual, what, extra_atol=floor)
+
+
+def _batch_shape_floor(target, program, gpus, output):
+    """How far one device's own predictions move when it predicts in the batch sizes each
+    of `gpus` devices gets (batch 25 and the last, partial batch, split), as one number."""
+    x = program.predict_x()
+    rows = len(keras.tree.flatten(x)[0])
+    reference = keras.tree.flatten(target.predict(x, batch_size=25, verbose=0))[output]
+    shapes = {-(-25 // gpus), 25 // gpus, -(-(rows % 25) // gpus), (rows % 25) // gpus} - {0}
+    return max(float(np.max(np.abs(np.asarray(keras.tree.flatten(
+        target.predict(x, batch_size=s, verbose=0))[output]) - np.asarray(reference))))
+        for s in shapes)
 
 
 RELOAD = r"""
@@ -261,7 +283,7 @@ def _program_equals_one_device(name, program, tmp_path, optimizer, counts):
     for gpus in counts:
         run = _run(program, gpus, str(tmp_path / f"gpus{gpus}"), optimizer=optimizer)
         assert isinstance(run[1], kmg.ParallelModel) and run[1].num_replicas == gpus
-        _compare(reference, run, gpus)
+        _compare(reference, run, gpus, program)
     model, target = run[0], run[1]
     reloaded = _reload_elsewhere(name, target, str(tmp_path / f"gpus{counts[-1]}"))
     if reloaded is None:
