@@ -143,16 +143,16 @@ def _compare(reference, run, gpus, program):
             # the CPU's kernels round a smaller batch otherwise (an AVX2 machine, not an
             # AVX-512 one, on p04), one device alone differs as much between those batch
             # sizes. That measured floor is allowed on top of the tolerance, nothing more.
-            floor = _batch_shape_floor(reference[1], program, gpus, i)
+            floor = _batch_shape_floor(reference[1], program, gpus, i, expected)
             _close(expected, actual, what, extra_atol=floor)
 
 
-def _batch_shape_floor(target, program, gpus, output):
-    """How far one device's own predictions move when it predicts in the batch sizes each
-    of `gpus` devices gets (batch 25 and the last, partial batch, split), as one number."""
+def _batch_shape_floor(target, program, gpus, output, reference):
+    """How far one device's own predictions (`reference`, made in batches of 25) move when it
+    predicts in the batch sizes each of `gpus` devices gets (batch 25 and the last, partial
+    batch, split), as one number."""
     x = program.predict_x()
     rows = len(keras.tree.flatten(x)[0])
-    reference = keras.tree.flatten(target.predict(x, batch_size=25, verbose=0))[output]
     shapes = {-(-25 // gpus), 25 // gpus, -(-(rows % 25) // gpus), (rows % 25) // gpus} - {0}
     return max(float(np.max(np.abs(np.asarray(keras.tree.flatten(
         target.predict(x, batch_size=s, verbose=0))[output]) - np.asarray(reference))))

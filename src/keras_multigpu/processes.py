@@ -26,7 +26,7 @@ import json
 import os
 import sys
 
-from keras_multigpu import interrupt
+from keras_multigpu import batching, interrupt
 from keras_multigpu._io import atomic_path
 from keras_multigpu._keras import saving_api
 from keras_multigpu.devices import TIMEOUT_ENV, collective_timeout
@@ -172,8 +172,6 @@ def agree_on_random_state():
     Programs that seed nothing, or seed each process differently, still build the same
     model and draw the same batch order and dropout masks everywhere.
     """
-    from keras_multigpu import batching  # batching imports the engines' seam lazily too
-
     if count() == 1:
         return
     state, set_state = _store.generator or (None, None)
