@@ -15,12 +15,7 @@ import numpy as np
 import pytest
 
 from keras_multigpu import rules
-from keras_multigpu._keras import (
-    base_trainer,
-    batch_normalization,
-    loss_module,
-    reduction_metrics,
-)
+from keras_multigpu._keras import base_trainer, loss_module
 
 # Rows per replica: even, uneven, and replicas left without rows (a batch smaller than the
 # replica count, or a last batch that runs out).
@@ -150,7 +145,7 @@ def test_a_scalar_mean_tracker_holds_one_devices_mean(split):
     per_row = np.random.default_rng(2).uniform(size=(sum(split),)).astype("float32")
     replicas = _Replicas(split)
     trackers = [keras.metrics.Mean() for _ in split]
-    with rules.installed([(reduction_metrics.Mean, "update_state", rules.mean_update,
+    with rules.installed([(keras.metrics.Mean, "update_state", rules.mean_update,
                            replicas.guard)]):
         def update(replica, rows):
             mean = per_row[rows].mean() if rows.stop > rows.start else np.float32("nan")
@@ -200,9 +195,9 @@ def test_batchnorm_moments_are_the_global_batchs(split, masked):
         mask[:, 0] = True
     else:
         x, mask = rng.normal(size=(n, 4, 3)).astype("float32"), None
-    layer = batch_normalization.BatchNormalization()
+    layer = keras.layers.BatchNormalization()
     layer.build(x.shape)
-    original = batch_normalization.BatchNormalization._moments
+    original = keras.layers.BatchNormalization._moments
     one = [_numpy(m) for m in original(layer, keras.ops.convert_to_tensor(x),
                                        None if mask is None else
                                        keras.ops.convert_to_tensor(mask))]
@@ -244,8 +239,8 @@ def test_batchnorm_gradients_weighed_by_rows_are_one_devices(split):
     rng = np.random.default_rng(5)
     x = rng.normal(size=(n, 3)).astype("float32")
     projection = keras.ops.convert_to_tensor(rng.normal(size=(3,)).astype("float32"))
-    original = batch_normalization.BatchNormalization._moments
-    layer = batch_normalization.BatchNormalization()
+    original = keras.layers.BatchNormalization._moments
+    layer = keras.layers.BatchNormalization()
     layer.build(x.shape)
 
     def loss(moments, rows):

@@ -32,9 +32,7 @@ import keras
 import numpy as np
 from keras import tree
 
-from keras_multigpu._keras import (
-    data_adapter_utils,
-)
+from keras_multigpu._keras import data_adapters
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,7 +214,7 @@ def class_sample_weights(y, class_weight, sample_weight=None):
             "class_weight works with a single target array; this model "
             "has several outputs. Pass per-output sample_weight instead."
         )
-    return data_adapter_utils.class_weight_to_sample_weights(
+    return data_adapters.data_adapter_utils.class_weight_to_sample_weights(
         np.asarray(tree.flatten(y)[0]), class_weight
     )
 

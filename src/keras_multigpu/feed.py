@@ -8,11 +8,7 @@ import warnings
 import numpy as np
 from keras import tree
 
-from keras_multigpu._keras import (
-    data_adapter,
-    data_adapter_utils,
-    py_dataset_adapter,
-)
+from keras_multigpu._keras import data_adapters
 from keras_multigpu.batching import (
     _to_numpy,
     global_generators,
@@ -20,7 +16,7 @@ from keras_multigpu.batching import (
 )
 
 
-class Feed(data_adapter.DataAdapter):
+class Feed(data_adapters.data_adapter.DataAdapter):
     """Keras's own data adapter for the user's data (`inner`), its batches padded.
 
     Keras's epoch iterator drives this adapter as it would drive `inner`, and
@@ -275,7 +271,7 @@ class Feed(data_adapter.DataAdapter):
 
         served = [tree.map_structure(np.asarray, self.serve(made_up(rows)))
                   for rows in (1, self.replicas + 1)]  # padded sizes that differ
-        return data_adapter_utils.get_tensor_spec(served)
+        return data_adapters.data_adapter_utils.get_tensor_spec(served)
 
     # -- exact resume (see `keras_multigpu.callbacks.Checkpoint`) ----------------
 
@@ -285,7 +281,7 @@ class Feed(data_adapter.DataAdapter):
         same order (arrays, and a PyDataset of known length)."""
         if self.arrays is not None:
             return True
-        return isinstance(self.inner, py_dataset_adapter.PyDatasetAdapter) and (
+        return isinstance(self.inner, data_adapters.PyDatasetAdapter) and (
             self.inner.py_dataset.num_batches is not None)
 
     def position(self):

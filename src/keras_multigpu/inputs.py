@@ -6,10 +6,7 @@ import inspect
 import numpy as np
 from keras import tree
 
-from keras_multigpu._keras import (
-    data_adapters,
-    generator_data_adapter,
-)
+from keras_multigpu._keras import data_adapters
 from keras_multigpu.batching import (
     _is_array_like,
     _num_rows,
@@ -196,7 +193,7 @@ def _checked_generator(x):
     return restored()
 
 
-class _Iterable(generator_data_adapter.GeneratorDataAdapter):
+class _Iterable(data_adapters.GeneratorDataAdapter):
     """A re-iterable of batches (`__iter__` and `__len__`, read afresh each epoch).
 
     Keras takes generators, which last one epoch; an object that makes a new iterator

@@ -26,9 +26,10 @@ import json
 import os
 import sys
 
+import keras
+
 from keras_multigpu import batching, interrupt
 from keras_multigpu._io import atomic_path
-from keras_multigpu._keras import saving_api
 from keras_multigpu.devices import TIMEOUT_ENV, collective_timeout
 
 _CHUNK = 1 << 20  # characters per key: every engine's store keeps its messages small
@@ -239,7 +240,7 @@ def _install_saves():
     """Keras's `save_model` and `save_weights`, wherever Keras offers them
     (`keras.saving.save_model`, `keras.models.save_model`, what `Model.save` calls)."""
     for name in ("save_model", "save_weights"):
-        original = getattr(saving_api, name)
+        original = getattr(keras.saving, name)
         if hasattr(original, "_keras_multigpu_original"):
             continue
         wrapper = zero_writes(original)

@@ -25,13 +25,7 @@ from typing import Any
 import keras
 
 from keras_multigpu import _keras
-from keras_multigpu._keras import (
-    base_trainer,
-    batch_normalization,
-    loss_module,
-    metric_module,
-    reduction_metrics,
-)
+from keras_multigpu._keras import base_trainer, loss_module
 from keras_multigpu.rules_random import batch_draw, dropout, random_draw
 
 __all__ = [
@@ -254,13 +248,13 @@ def global_result(replica, original, metric):
     reduced = replica.all_reduce([values[i] for i in shared], "all-reduce of the metrics")
     for i, value in zip(shared, reduced):
         values[i] = value / replica.replicas if kinds[i] == "mean" else value
-    with _keras.backend.StatelessScope(state_mapping=list(zip(metric.variables, values))):
+    with keras.StatelessScope(state_mapping=list(zip(metric.variables, values))):
         return original(metric)
 
 
 def metric_classes():
     """Every Metric class defined so far that has its own `result` (the user's too)."""
-    found, stack = [], [metric_module.Metric]
+    found, stack = [], [keras.metrics.Metric]
     while stack:
         cls = stack.pop()
         if "result" in vars(cls):
@@ -278,8 +272,8 @@ def table(step, call, random_module, draws):
         (loss_module, "reduce_values", reduce_values, step),
         (loss_module, "apply_mask", apply_mask, step),
         (base_trainer.Trainer, "_aggregate_additional_loss", additional_loss, step),
-        (reduction_metrics.Mean, "update_state", mean_update, step),
-        (batch_normalization.BatchNormalization, "_moments", moments, step),
+        (keras.metrics.Mean, "update_state", mean_update, step),
+        (keras.layers.BatchNormalization, "_moments", moments, step),
         *((random_module, name, random_draw, step) for name in draws),
         (random_module, "dropout", dropout, step),
         *((cls, "result", global_result, call) for cls in metric_classes()),

@@ -68,49 +68,41 @@ _MISSING = object()
 # What every engine and the data path use. Patched for a call (see the engines' rule
 # tables): loss_module.{reduce_values, apply_mask, scale/unscale_loss_for_distribution},
 # Trainer._aggregate_additional_loss, Layer.{add_loss, _get_own_losses, _clear_losses},
-# Mean.update_state, BatchNormalization._moments, BaseOptimizer.apply, each Metric's
-# result; patched for the process: saving_api.{save_model, save_weights}.
+# Mean.update_state, BatchNormalization._moments, Optimizer.apply, each Metric's
+# result; patched for the process: every alias of keras.saving.{save_model, save_weights}
+# (see `processes`). Where Keras offers the class or function publicly (keras.layers,
+# keras.metrics, keras.saving, keras.StatelessScope, keras.ops.is_tensor), it is taken from
+# there, and only its private attributes are checked here.
+PUBLIC = {
+    "keras.layers": ("Layer.add_loss", "Layer._get_own_losses", "Layer._clear_losses",
+                     "BatchNormalization._moments"),
+    "keras.metrics": ("Metric.result", "Mean.update_state"),
+    "keras.optimizers": ("Optimizer.apply",),
+    "keras.saving": ("save_model", "save_weights"),
+}
 COMMON = {
-    "keras.src.backend": ("in_stateless_scope", "StatelessScope", "is_tensor"),
-    "keras.src.backend.common.global_state": ("get_global_attribute",),
-    "keras.src.layers.layer": ("Layer.add_loss", "Layer._get_own_losses",
-                               "Layer._clear_losses"),
-    "keras.src.layers.normalization.batch_normalization": ("BatchNormalization._moments",),
+    "keras.src.backend": ("in_stateless_scope", "common.global_state.get_global_attribute"),
     "keras.src.losses.loss": ("reduce_values", "apply_mask", "scale_loss_for_distribution",
                               "unscale_loss_for_distribution",
                               "squeeze_or_expand_to_same_rank"),
-    "keras.src.metrics.metric": ("Metric.result",),
-    "keras.src.metrics.reduction_metrics": ("Mean.update_state",),
-    "keras.src.optimizers.base_optimizer": ("BaseOptimizer.apply",),
     "keras.src.random.seed_generator": ("SeedGenerator", "draw_seed",
                                         "global_seed_generator"),
-    "keras.src.saving.saving_api": ("save_model", "save_weights"),
     "keras.src.trainers.trainer": ("Trainer._aggregate_additional_loss",),
-    "keras.src.trainers.data_adapters": ("get_data_adapter",),
-    "keras.src.trainers.data_adapters.data_adapter": ("DataAdapter",),
-    "keras.src.trainers.data_adapters.data_adapter_utils": (
-        "class_weight_to_sample_weights", "get_tensor_spec"),
-    "keras.src.trainers.data_adapters.generator_data_adapter": ("GeneratorDataAdapter",),
-    "keras.src.trainers.data_adapters.py_dataset_adapter": ("PyDatasetAdapter",),
+    # The data adapters' package, whose own imports bring its modules.
+    "keras.src.trainers.data_adapters": (
+        "get_data_adapter", "data_adapter.DataAdapter", "GeneratorDataAdapter",
+        "PyDatasetAdapter", "data_adapter_utils.class_weight_to_sample_weights",
+        "data_adapter_utils.get_tensor_spec"),
     "keras.src.utils.io_utils": ("print_msg",),
 }
 
+load(PUBLIC, "its engines' rules")
 (
     backend,
-    global_state,
-    base_layer,
-    batch_normalization,
     loss_module,
-    metric_module,
-    reduction_metrics,
-    base_optimizer,
     seed_generator,
-    saving_api,
     base_trainer,
     data_adapters,
-    data_adapter,
-    data_adapter_utils,
-    generator_data_adapter,
-    py_dataset_adapter,
     io_utils,
 ) = load(COMMON, "its data path and engines")
+global_state = backend.common.global_state

@@ -14,9 +14,8 @@ import tensorflow as tf
 from keras import tree
 
 from keras_multigpu import _keras, rules
-from keras_multigpu._keras import base_layer, loss_module
+from keras_multigpu._keras import loss_module
 from keras_multigpu._keras.tensorflow import DRAWS
-from keras_multigpu._keras.tensorflow import optimizer as tf_optimizer
 from keras_multigpu._keras.tensorflow import random as tf_random
 from keras_multigpu._keras.tensorflow import trainer as tf_trainer
 
@@ -170,7 +169,7 @@ def _add_loss(replica, original, self, loss):
         return original(self, loss)
     losses = tree.flatten(loss)
     for value in losses:
-        if not _keras.backend.is_tensor(value):
+        if not keras.ops.is_tensor(value):
             return original(self, loss)  # Keras's own error
     _replica.losses.setdefault(id(self), []).extend(losses)
     return None
@@ -220,14 +219,14 @@ def _reduce_per_replica(replica, original, values, strategy, reduction):
 
 def _rules_table():
     return [
-        (tf_optimizer.TFOptimizer, "apply", _apply, _step),
-        (tf_optimizer.TFOptimizer, "_all_reduce_sum_gradients", _all_reduce_sum, _step),
-        (tf_optimizer.TFOptimizer, "_backend_apply_gradients", _apply_gradients, _step),
+        (keras.optimizers.Optimizer, "apply", _apply, _step),
+        (keras.optimizers.Optimizer, "_all_reduce_sum_gradients", _all_reduce_sum, _step),
+        (keras.optimizers.Optimizer, "_backend_apply_gradients", _apply_gradients, _step),
         (loss_module, "scale_loss_for_distribution", _scale, _step),
         (loss_module, "unscale_loss_for_distribution", _scale, _step),
-        (base_layer.Layer, "add_loss", _add_loss, _step),
-        (base_layer.Layer, "_get_own_losses", _own_losses, _step),
-        (base_layer.Layer, "_clear_losses", _clear_losses, _step),
+        (keras.layers.Layer, "add_loss", _add_loss, _step),
+        (keras.layers.Layer, "_get_own_losses", _own_losses, _step),
+        (keras.layers.Layer, "_clear_losses", _clear_losses, _step),
         *rules.table(_step, _step, tf_random, DRAWS),
     ]
 

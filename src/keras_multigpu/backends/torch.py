@@ -35,7 +35,6 @@ import torch.distributed as dist
 from keras import tree
 
 from keras_multigpu import launch, rules
-from keras_multigpu._keras import base_optimizer
 from keras_multigpu._keras.torch import DRAWS
 from keras_multigpu._keras.torch import random as torch_random
 from keras_multigpu.backends._marker import tag, untag  # noqa: F401 (the seam's names)
@@ -297,7 +296,7 @@ def local_metric_state(variables, values):
 
 def _rules_table():
     return [
-        (base_optimizer.BaseOptimizer, "apply", _apply, _step),
+        (keras.optimizers.Optimizer, "apply", _apply, _step),
         *rules.table(_step, _call, torch_random, DRAWS),
     ]
 
