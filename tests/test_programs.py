@@ -1,8 +1,11 @@
 """Real Keras programs (tests/programs/) train through the wrapper as on one device.
 
 Each program is trained by plain Keras on one device, then through `multi_gpu_model` on 2
-and 3 devices with a global batch that divides neither device count nor the dataset, from
-the same seed. Final weights, every history key, predict outputs and (after the 3-device
+or 3 devices with a global batch that divides neither device count nor the dataset, from
+the same seed. The count alternates by program and engine, so that every program meets
+both counts across the engines and every engine both counts across the programs; with
+KERAS_MULTIGPU_TEST_EVERY_COUNT=1 each program runs on both counts on every engine (twice
+the time: CI keeps to one). Final weights, every history key, predict outputs and (after the 3-device
 run) a reload of the saved file, in a process that never imports keras_multigpu, must
 agree: float32, 1e-4 relative.
 """
@@ -247,13 +250,17 @@ def _floatx(dtype):
         keras.config.set_dtype_policy(policy)
 
 
-# The torch engine runs each device count in its own processes (conftest forks them per
-# `gpus`), 2 and then 3; the other engines run 2 and 3 devices in one test.
-GPUS = [2, 3] if keras.backend.backend() == "torch" else [None]
+def _with_counts(names):
+    """(program, device count) pairs: 2 or 3, alternating by program and engine (see the
+    module's docstring), or both under KERAS_MULTIGPU_TEST_EVERY_COUNT=1. On torch, conftest
+    forks `gpus` processes for each."""
+    engine = ("jax", "tensorflow", "torch").index(keras.backend.backend())
+    every = os.environ.get("KERAS_MULTIGPU_TEST_EVERY_COUNT") == "1"
+    return [(name, gpus) for name in names
+            for gpus in ((2, 3) if every else (2 + (PROGRAMS.index(name) + engine) % 2,))]
 
 
-@pytest.mark.parametrize("gpus", GPUS, ids=lambda g: "2-and-3" if g is None else f"{g}")
-@pytest.mark.parametrize("name", PROGRAMS)
+@pytest.mark.parametrize(("name", "gpus"), _with_counts(PROGRAMS))
 def test_program_equals_one_device(name, gpus, tmp_path):
     program = _load(name)
     _written_for_this_backend(program)
@@ -271,21 +278,19 @@ def test_program_equals_one_device(name, gpus, tmp_path):
         # steps, and SGD in float32 still leaves its tolerance: both remedies apply there
         # (float64 and SGD, at the float32 tolerance; see `_close`).
         exact = optimizer if not precise or keras.backend.backend() == "torch" else None
-        _program_equals_one_device(name, program, tmp_path, exact,
-                                   (2, 3) if gpus is None else (gpus,))
+        _program_equals_one_device(name, program, tmp_path, exact, gpus)
 
 
-def _program_equals_one_device(name, program, tmp_path, optimizer, counts):
+def _program_equals_one_device(name, program, tmp_path, optimizer, gpus):
     reference = _run(program, None, str(tmp_path / "one"), optimizer=optimizer)
     ref_model, _, initial, _, _ = reference
     if initial is not None:  # the program trained something
         assert any(not np.allclose(a, b) for a, b in zip(initial, ref_model.get_weights()))
-    for gpus in counts:
-        run = _run(program, gpus, str(tmp_path / f"gpus{gpus}"), optimizer=optimizer)
-        assert isinstance(run[1], kmg.ParallelModel) and run[1].num_replicas == gpus
-        _compare(reference, run, gpus, program)
+    run = _run(program, gpus, str(tmp_path / f"gpus{gpus}"), optimizer=optimizer)
+    assert isinstance(run[1], kmg.ParallelModel) and run[1].num_replicas == gpus
+    _compare(reference, run, gpus, program)
     model, target = run[0], run[1]
-    reloaded = _reload_elsewhere(name, target, str(tmp_path / f"gpus{counts[-1]}"))
+    reloaded = _reload_elsewhere(name, target, str(tmp_path / f"gpus{gpus}"))
     if reloaded is None:
         return
     expected = (keras.tree.flatten(model.predict(program.predict_x(), batch_size=25, verbose=0))
@@ -299,11 +304,10 @@ def _program_equals_one_device(name, program, tmp_path, optimizer, counts):
 WITH_CONTROL = [name for name in PROGRAMS if hasattr(_load(name), "CONTROL")]
 
 
-@pytest.mark.parametrize("gpus", GPUS, ids=lambda g: "2-and-3" if g is None else f"{g}")
-@pytest.mark.parametrize("name", WITH_CONTROL)
+@pytest.mark.parametrize(("name", "gpus"), _with_counts(WITH_CONTROL))
 def test_amplified_programs_differ_without_padding(name, gpus, tmp_path):
     """The program as written, with no padded batch at all, already leaves the tolerance
-    between 1 and 2 devices: its optimizer amplifies reduction order, not the padding."""
+    between 1 and `gpus` devices: its optimizer amplifies reduction order, not the padding."""
     program = _load(name)
     _written_for_this_backend(program)
     if not _amplified(program):
@@ -312,13 +316,11 @@ def test_amplified_programs_differ_without_padding(name, gpus, tmp_path):
     rows = len(keras.tree.flatten(control["x"])[0])
     assert rows % control["batch_size"] == 0
     assert control["batch_size"] % 2 == 0 and control["batch_size"] % 3 == 0
-    counts = (2, 3) if gpus is None else (gpus,)
     reference = _run(program, None, str(tmp_path / "one"), fit_kwargs=program.CONTROL(""))
-    for count in counts:
-        run = _run(program, count, str(tmp_path / f"g{count}"), fit_kwargs=program.CONTROL(""))
-        assert _deviation(reference, run) > 1.0, f"{count} devices matched: drop AMPLIFIED"
+    run = _run(program, gpus, str(tmp_path / f"g{gpus}"), fit_kwargs=program.CONTROL(""))
+    assert _deviation(reference, run) > 1.0, f"{gpus} devices matched: drop AMPLIFIED"
     # As written (padded), the wrapper runs the same epochs and logs as one device.
-    padded = _run(program, counts[0], str(tmp_path / "padded"))
+    padded = _run(program, gpus, str(tmp_path / "padded"))
     one = _run(program, None, str(tmp_path / "padded1"))
     assert padded[3].keys() == one[3].keys()
     assert len(padded[3]["loss"]) == len(one[3]["loss"])
