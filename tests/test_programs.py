@@ -5,9 +5,9 @@ or 3 devices with a global batch that divides neither device count nor the datas
 the same seed. The count alternates by program and engine, so that every program meets
 both counts across the engines and every engine both counts across the programs; with
 KERAS_MULTIGPU_TEST_EVERY_COUNT=1 each program runs on both counts on every engine (twice
-the time: CI keeps to one). Final weights, every history key, predict outputs and (after the 3-device
-run) a reload of the saved file, in a process that never imports keras_multigpu, must
-agree: float32, 1e-4 relative.
+the time: CI keeps to one). Final weights, every history key, predict outputs and a reload
+of the saved file, in a process that never imports keras_multigpu, must agree: float32, 1e-4
+relative.
 """
 
 import contextlib
