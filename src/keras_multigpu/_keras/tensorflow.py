@@ -1,8 +1,9 @@
 """Keras's TensorFlow internals the TensorFlow engine uses (see `keras_multigpu._keras`).
 
-Patched for a call: `keras.optimizers.Optimizer.{apply, _all_reduce_sum_gradients,
-_backend_apply_gradients}` (the last two are the TensorFlow optimizer's), `random.{normal,
-uniform, truncated_normal, randint, dropout}`; with several workers,
+Patched for a call: `TFOptimizer.{apply, _all_reduce_sum_gradients,
+_backend_apply_gradients}` (TensorFlow's optimizer class, which `keras.optimizers.Optimizer`
+is only while the backend is TensorFlow: this table is checked under any backend),
+`random.{normal, uniform, truncated_normal, randint, dropout}`; with several workers,
 `trainer.reduce_per_replica`.
 """
 
@@ -11,11 +12,12 @@ from keras_multigpu._keras import load
 DRAWS = ("normal", "uniform", "truncated_normal", "randint")
 
 TABLE = {
-    "keras.optimizers": ("Optimizer._all_reduce_sum_gradients",
-                         "Optimizer._backend_apply_gradients"),
+    "keras.src.backend.tensorflow.optimizer": (
+        "TFOptimizer.apply", "TFOptimizer._all_reduce_sum_gradients",
+        "TFOptimizer._backend_apply_gradients"),
     "keras.src.backend.tensorflow.random": (*DRAWS, "dropout", "_get_concrete_noise_shape"),
     "keras.src.backend.tensorflow.trainer": ("reduce_per_replica",
                                              "_collective_all_reduce_multi_worker"),
 }
 
-_, random, trainer = load(TABLE, "the TensorFlow engine")
+optimizer, random, trainer = load(TABLE, "the TensorFlow engine")

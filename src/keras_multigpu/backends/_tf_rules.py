@@ -16,6 +16,7 @@ from keras import tree
 from keras_multigpu import _keras, rules
 from keras_multigpu._keras import loss_module
 from keras_multigpu._keras.tensorflow import DRAWS
+from keras_multigpu._keras.tensorflow import optimizer as tf_optimizer
 from keras_multigpu._keras.tensorflow import random as tf_random
 from keras_multigpu._keras.tensorflow import trainer as tf_trainer
 
@@ -219,9 +220,9 @@ def _reduce_per_replica(replica, original, values, strategy, reduction):
 
 def _rules_table():
     return [
-        (keras.optimizers.Optimizer, "apply", _apply, _step),
-        (keras.optimizers.Optimizer, "_all_reduce_sum_gradients", _all_reduce_sum, _step),
-        (keras.optimizers.Optimizer, "_backend_apply_gradients", _apply_gradients, _step),
+        (tf_optimizer.TFOptimizer, "apply", _apply, _step),
+        (tf_optimizer.TFOptimizer, "_all_reduce_sum_gradients", _all_reduce_sum, _step),
+        (tf_optimizer.TFOptimizer, "_backend_apply_gradients", _apply_gradients, _step),
         (loss_module, "scale_loss_for_distribution", _scale, _step),
         (loss_module, "unscale_loss_for_distribution", _scale, _step),
         (keras.layers.Layer, "add_loss", _add_loss, _step),
