@@ -10,7 +10,8 @@
 #   TensorFlow (with its several-worker tests, tests/test_multihost_tf.py, and the
 #   behaviour tests of saving, callbacks, errors and inputs), then on PyTorch (whose
 #   multi-device tests fork one gloo process per device) with the launcher's tests across
-#   machines (tests/test_multihost.py) and the benchmark harness's (tests/test_bench.py);
+#   machines (tests/test_multihost.py), the benchmark harness's (tests/test_bench.py) and
+#   the behaviour tests of saving, callbacks and inputs;
 #   then the launcher's own tests (tests/test_launch.py, on JAX) and the next Keras's
 #   exactness tests on torch. The split keeps the two streams near the same length.
 # pytest exits non-zero when a test fails and 5 when no test ran; either fails
@@ -64,7 +65,8 @@ contract="tests/test_rules.py tests/test_engines.py tests/test_programs.py"
 # TensorFlow's workers join at import, before its runtime starts: their test runs there.
 run tensorflow $contract tests/test_multihost_tf.py tests/test_saving.py \
     tests/test_callbacks.py tests/test_errors.py tests/test_inputs.py
-run torch $contract tests/test_multihost.py tests/test_bench.py
+run torch $contract tests/test_multihost.py tests/test_bench.py tests/test_saving.py \
+    tests/test_callbacks.py tests/test_inputs.py
 run jax tests/test_launch.py
 next_keras torch > "$logs/next-torch" 2>&1 || status=1
 cat "$logs/next-torch"

@@ -42,11 +42,15 @@ def _child(rank, world, port, function, writer):
         status, report = SKIPPED, str(skip).encode()
     except BaseException:  # noqa: BLE001 (everything is reported to the parent)
         status, report = 1, traceback.format_exc().encode()
+    if status != 1:  # as a process that ends without an exception leaves (rank 0 last)
+        from keras_multigpu import processes
+
+        processes.leave()
     try:
         os.write(writer, report[-20000:])
     finally:
         os.close(writer)
-        os._exit(status)  # no pytest teardown in the child
+        os._exit(status)  # no pytest teardown (nor atexit) in the child
 
 
 def run(world, function):

@@ -107,6 +107,16 @@ def assert_weights_close(a, b, atol=1e-5):
         np.testing.assert_allclose(u, v, atol=atol, rtol=1e-5, err_msg=f"weight {i}")
 
 
+TORCH_WORLD = 2  # the processes a torch test of the behaviour suite runs in
+
+
+def engine_gpus(gpus):
+    """The devices a behaviour test wraps a model on: `gpus` on JAX and TensorFlow, which
+    take any count of their virtual devices in one process; on torch, one process per
+    device, the TORCH_WORLD processes the test runs in (its module's `ranks` mark)."""
+    return TORCH_WORLD if keras.backend.backend() == "torch" else gpus
+
+
 def _world(item):
     marker = item.get_closest_marker("ranks")
     if marker is not None:
@@ -134,4 +144,5 @@ def pytest_pyfunc_call(pyfuncitem):
     return True
 
 
-__all__ = ["kmg", "classification_data", "assert_weights_close", "cifar_dir", "synthetic_cifar"]
+__all__ = ["kmg", "classification_data", "assert_weights_close", "cifar_dir", "synthetic_cifar",
+           "engine_gpus", "TORCH_WORLD"]

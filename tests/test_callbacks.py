@@ -8,11 +8,13 @@ import numpy as np
 import pytest
 
 import keras_multigpu as kmg
-from conftest import assert_weights_close, classification_data
+from conftest import TORCH_WORLD, assert_weights_close, classification_data, engine_gpus
+
+pytestmark = pytest.mark.ranks(TORCH_WORLD)  # on torch: one forked process per device
 
 
 def parallel_model(dense_model, gpus=3, lr=0.05):
-    parallel = kmg.multi_gpu_model(dense_model(), gpus=gpus)
+    parallel = kmg.multi_gpu_model(dense_model(), gpus=engine_gpus(gpus))
     parallel.compile(
         optimizer=keras.optimizers.SGD(lr), loss="categorical_crossentropy", metrics=["accuracy"]
     )

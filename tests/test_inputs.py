@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 
 import keras_multigpu as kmg
-from conftest import assert_weights_close, classification_data
+from conftest import TORCH_WORLD, assert_weights_close, classification_data, engine_gpus
+
+pytestmark = pytest.mark.ranks(TORCH_WORLD)  # on torch: one forked process per device
 
 X, Y = classification_data(45)
 BATCH = 10
@@ -32,7 +34,7 @@ class Batches(keras.utils.PyDataset):
 
 def train(dense_model, data, gpus=4, epochs=1, **kwargs):
     template = dense_model()
-    parallel = kmg.multi_gpu_model(template, gpus=gpus)
+    parallel = kmg.multi_gpu_model(template, gpus=gpus if gpus == 1 else engine_gpus(gpus))
     parallel.compile(optimizer="sgd", loss="categorical_crossentropy", metrics=["accuracy"])
     history = parallel.fit(data, epochs=epochs, verbose=0, **kwargs)
     return template, parallel, history

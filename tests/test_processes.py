@@ -81,6 +81,12 @@ result["files"] = sorted(f for f in os.listdir(folder)
                          if f not in ("store", "program.py") and not f.startswith("result-"))
 with open(os.path.join(folder, f"result-{rank}.json"), "w") as f:
     json.dump(result, f)
+# At exit, process 0 (whose store the others read on torch) leaves after every other one.
+if rank == 1:
+    time.sleep(1)
+processes.leave()
+if rank == 0:
+    print("PROCESS 1 HAD LEFT:", os.path.exists(os.path.join(store, "keras_multigpu%left%1")))
 if rank == 0:  # process 1 has left: the next exchange names it, within the timeout
     os.environ["KERAS_MULTIGPU_TIMEOUT"] = "3"  # (the waits above may be slow on a busy machine)
     try:
@@ -142,6 +148,11 @@ def test_process_zeros_failed_save_is_every_process_error(ran):
     assert first["error"].startswith("ValueError: "), first["error"]
     assert second["error"] == ("RuntimeError: Process 0 could not write lost.txt (save number "
                                f"1): {first['error']}")
+
+
+def test_process_zero_leaves_after_the_others(ran):
+    _, (output, _) = ran
+    assert "PROCESS 1 HAD LEFT: True" in output, output[-3000:]
 
 
 def test_a_process_that_does_not_arrive_is_named_within_the_timeout(ran):

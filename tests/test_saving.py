@@ -10,7 +10,11 @@ import numpy as np
 import pytest
 
 import keras_multigpu as kmg
-from conftest import classification_data
+from conftest import TORCH_WORLD, classification_data, engine_gpus
+
+# On torch, each test runs in TORCH_WORLD forked processes, one per device (conftest), and
+# every model in it is wrapped on those; process 0 writes each file, every process reads it.
+pytestmark = pytest.mark.ranks(TORCH_WORLD)
 
 # Runs in a fresh process that never imports keras_multigpu, on one CPU device.
 LOAD_WITHOUT_LIBRARY = """
@@ -45,7 +49,7 @@ def load_elsewhere(path, x, tmp_path):
 
 def trained_parallel(dense_model, gpus=4):
     x, y = classification_data(30)
-    parallel = kmg.multi_gpu_model(dense_model(), gpus=gpus)
+    parallel = kmg.multi_gpu_model(dense_model(), gpus=engine_gpus(gpus))
     parallel.compile(optimizer="adam", loss="categorical_crossentropy", metrics=["accuracy"])
     parallel.fit(x, y, batch_size=7, epochs=2, verbose=0)
     return parallel, x, y
@@ -69,11 +73,11 @@ def test_reload_and_rewrap_never_nests(dense_model, tmp_path):
         parallel.save(path)
         model = keras.saving.load_model(path)
         assert [type(layer).__name__ for layer in model.layers] == ["Dense", "Dense"], round_
-        parallel = kmg.multi_gpu_model(model, gpus=[1, 2, 3])
+        parallel = kmg.multi_gpu_model(model, gpus=engine_gpus([1, 2, 3]))
         # The loaded model was compiled: the wrapper resumes with its optimizer.
         assert parallel.optimizer is model.optimizer
         parallel.fit(x, y, batch_size=6, epochs=1, verbose=0)
-    again = kmg.multi_gpu_model(parallel, gpus=2)
+    again = kmg.multi_gpu_model(parallel, gpus=engine_gpus(2))
     assert again.template is parallel.template
 
 
@@ -81,7 +85,8 @@ def test_resumed_training_keeps_optimizer_state(dense_model, tmp_path):
     parallel, x, y = trained_parallel(dense_model)
     iterations = int(parallel.optimizer.iterations.numpy())
     parallel.save(tmp_path / "model.keras")
-    resumed = kmg.multi_gpu_model(keras.saving.load_model(tmp_path / "model.keras"), gpus=2)
+    resumed = kmg.multi_gpu_model(keras.saving.load_model(tmp_path / "model.keras"),
+                                 gpus=engine_gpus(2))
     assert int(resumed.optimizer.iterations.numpy()) == iterations
     resumed.fit(x, y, batch_size=7, epochs=1, verbose=0)
     assert int(resumed.optimizer.iterations.numpy()) == iterations + 5
@@ -94,31 +99,37 @@ def test_weights_load_into_a_plain_model(dense_model, tmp_path):
     plain.load_weights(tmp_path / "w.weights.h5")
     expected = parallel.predict(x, verbose=0)
     np.testing.assert_allclose(plain.predict(x, verbose=0), expected, atol=1e-6)
-    other = kmg.multi_gpu_model(dense_model(seed=9), gpus=3)
+    other = kmg.multi_gpu_model(dense_model(seed=9), gpus=engine_gpus(3))
     other.load_weights(tmp_path / "w.weights.h5")
     np.testing.assert_allclose(other.predict(x, verbose=0), plain.predict(x, verbose=0), atol=1e-6)
 
 
 def test_failed_save_leaves_the_previous_file_intact(dense_model, tmp_path, monkeypatch):
+    from keras.src.saving import saving_lib
+
+    from keras_multigpu import processes
+
     parallel, _, _ = trained_parallel(dense_model)
     path = tmp_path / "model.keras"
     parallel.save(path)
     before = path.read_bytes()
 
-    def broken_save(filepath, **kwargs):
+    def broken_save(model, filepath, **kwargs):  # Keras's writer fails half-way
         with open(filepath, "wb") as f:
             f.write(b"half a file")
         raise OSError("disk full")
 
-    monkeypatch.setattr(parallel.template, "save", broken_save)
-    with pytest.raises(OSError, match="disk full"):
+    monkeypatch.setattr(saving_lib, "save_model", broken_save)
+    # With several processes (torch), process 0 writes; the others raise its error.
+    error = OSError if processes.rank() == 0 else RuntimeError
+    with pytest.raises(error, match="disk full"):
         parallel.save(path)
     assert path.read_bytes() == before
     assert os.listdir(tmp_path) == ["model.keras"]  # no temporary file left
 
 
 def test_saving_refuses_wrong_suffix_and_existing_files(dense_model, tmp_path):
-    parallel = kmg.multi_gpu_model(dense_model(), gpus=2)
+    parallel = kmg.multi_gpu_model(dense_model(), gpus=engine_gpus(2))
     with pytest.raises(ValueError, match=r"\.keras"):
         parallel.save(tmp_path / "model.h5")
     parallel.save(tmp_path / "model.keras")
@@ -127,7 +138,7 @@ def test_saving_refuses_wrong_suffix_and_existing_files(dense_model, tmp_path):
 
 
 def test_saved_files_get_ordinary_permissions(dense_model, tmp_path):
-    parallel = kmg.multi_gpu_model(dense_model(), gpus=2)
+    parallel = kmg.multi_gpu_model(dense_model(), gpus=engine_gpus(2))
     parallel.save(tmp_path / "model.keras")
     parallel.save_weights(tmp_path / "w.weights.h5")
     mask = os.umask(0)

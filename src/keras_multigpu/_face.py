@@ -5,7 +5,7 @@ model, written atomically, by one process only."""
 import os
 import zipfile
 
-from keras_multigpu._io import atomic_path, unreadable
+from keras_multigpu._io import atomic_path, check_suffix, unreadable
 from keras_multigpu._keras import io_utils
 
 
@@ -14,6 +14,7 @@ class TemplateFace:
 
     def save(self, filepath, overwrite=True, **kwargs):
         """Saves the template as a plain `.keras` file, atomically (by one process only)."""
+        check_suffix(filepath, ".keras")  # as on one process (Keras itself takes .h5 too)
         if not overwrite and os.path.exists(filepath):
             raise FileExistsError(f"{filepath} exists and overwrite=False.")
         if self._backend.process_count() > 1:
@@ -24,6 +25,7 @@ class TemplateFace:
 
     def save_weights(self, filepath, overwrite=True, **kwargs):
         """Saves the template's weights (`.weights.h5`), atomically (by one process only)."""
+        check_suffix(filepath, ".weights.h5")
         if not overwrite and os.path.exists(filepath):
             raise FileExistsError(f"{filepath} exists and overwrite=False.")
         if self._backend.process_count() > 1:

@@ -62,6 +62,16 @@ def hint(error):
     return "Check the path and the disk."
 
 
+def check_suffix(filepath, suffix):
+    """`filepath` as a string, or a ValueError where it does not end with `suffix`."""
+    filepath = os.fspath(filepath)
+    if not filepath.endswith(suffix):
+        raise ValueError(
+            f"The filename must end in {suffix!r}. Received: filepath={filepath!r}."
+        )
+    return filepath
+
+
 @contextlib.contextmanager
 def atomic_path(filepath, suffix=""):
     """Yields a temporary path beside `filepath`; renames it over `filepath` on success.
@@ -75,11 +85,7 @@ def atomic_path(filepath, suffix=""):
     Raises:
         ValueError: `filepath` does not end with `suffix`.
     """
-    filepath = os.fspath(filepath)
-    if not filepath.endswith(suffix):
-        raise ValueError(
-            f"The filename must end in {suffix!r}. Received: filepath={filepath!r}."
-        )
+    filepath = check_suffix(filepath, suffix)
     directory = os.path.dirname(os.path.abspath(filepath))
     try:
         os.makedirs(directory, exist_ok=True)

@@ -92,7 +92,37 @@ def join(store):
     if first:
         _install_saves()
         interrupt.set_agreement(agree_to_stop)
+        _record_failures()
     agree_on_random_state()
+
+
+def leave():
+    """At a process's exit: process 0, which hosts the store on some engines (torch's
+    TCPStore, whose server goes with it), stays until every other process has left too, so
+    that none loses what it has still to read, such as the outcome of the program's last
+    save, which process 0 does not wait for. A process that leaves after an unhandled
+    exception does not wait (the others are told by their next collective)."""
+    if _store is None:
+        return
+    with contextlib.suppress(Exception):  # an exit goes on whatever the store says
+        _store.set(f"keras_multigpu/left/{_store.rank}", "1")
+        if _store.rank == 0 and not _failed:
+            for other in range(1, _store.count):
+                _store.get(f"keras_multigpu/left/{other}", collective_timeout())
+
+
+def _record_failures():
+    """Notes an unhandled exception, for `leave`."""
+    previous = sys.excepthook
+
+    def excepthook(kind, value, traceback):
+        _failed.append(kind)
+        previous(kind, value, traceback)
+
+    sys.excepthook = excepthook
+
+
+_failed = []
 
 
 def rank():

@@ -61,7 +61,9 @@ class _Store(processes.Store):
 
 
 def _leave():
-    """Leaves the process group at exit (NCCL warns when it is left to the destructor)."""
+    """Leaves the process group at exit (NCCL warns when it is left to the destructor),
+    rank 0 last (`processes.leave`: the group's store is rank 0's)."""
+    processes.leave()
     with contextlib.suppress(Exception):
         if dist.is_initialized():
             dist.destroy_process_group()
