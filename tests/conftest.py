@@ -113,8 +113,9 @@ TORCH_WORLD = 2  # the processes a torch test of the behaviour suite runs in
 def engine_gpus(gpus):
     """The devices a behaviour test wraps a model on: `gpus` on JAX and TensorFlow, which
     take any count of their virtual devices in one process; on torch, one process per
-    device, the TORCH_WORLD processes the test runs in (its module's `ranks` mark)."""
-    return TORCH_WORLD if keras.backend.backend() == "torch" else gpus
+    device, the TORCH_WORLD processes the test runs in (its module's `ranks` mark), unless
+    it asks for one device."""
+    return TORCH_WORLD if keras.backend.backend() == "torch" and gpus != 1 else gpus
 
 
 def _world(item):

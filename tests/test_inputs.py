@@ -34,7 +34,7 @@ class Batches(keras.utils.PyDataset):
 
 def train(dense_model, data, gpus=4, epochs=1, **kwargs):
     template = dense_model()
-    parallel = kmg.multi_gpu_model(template, gpus=gpus if gpus == 1 else engine_gpus(gpus))
+    parallel = kmg.multi_gpu_model(template, gpus=engine_gpus(gpus))
     parallel.compile(optimizer="sgd", loss="categorical_crossentropy", metrics=["accuracy"])
     history = parallel.fit(data, epochs=epochs, verbose=0, **kwargs)
     return template, parallel, history

@@ -106,17 +106,23 @@ def leave():
         return
     with contextlib.suppress(Exception):  # an exit goes on whatever the store says
         _store.set(f"keras_multigpu/left/{_store.rank}", "1")
-        if _store.rank == 0 and not _failed:
+        if _store.rank == 0 and failure() is None:
             for other in range(1, _store.count):
                 _store.get(f"keras_multigpu/left/{other}", collective_timeout())
 
 
+def failure():
+    """The type of the unhandled exception this process is ending with, or None (for
+    `leave`, and for the JAX engine, which then leaves at once)."""
+    return _failed[0] if _failed else None
+
+
 def _record_failures():
-    """Notes an unhandled exception, for `leave`."""
     previous = sys.excepthook
 
     def excepthook(kind, value, traceback):
-        _failed.append(kind)
+        if not (hasattr(sys, "ps1") or sys.flags.interactive):  # a REPL goes on after one
+            _failed.append(kind)
         previous(kind, value, traceback)
 
     sys.excepthook = excepthook

@@ -296,9 +296,6 @@ def _set_up_processes():
     _leave_at_once_on_failure()
 
 
-_failure = []  # the type of the exception this process is ending with, if any
-
-
 def _leave_at_once_on_failure():
     """Makes a process that ends with an exception leave at once.
 
@@ -309,23 +306,16 @@ def _leave_at_once_on_failure():
     (after the traceback is printed) closes its connections, so the others' next
     collective fails at once too, and they leave the same way; the launcher then
     reports the first failure. Other `atexit` functions registered before the
-    processes joined do not run after a failure.
+    processes joined do not run after a failure (`processes.failure` records it).
     """
-    previous = sys.excepthook
-
-    def excepthook(kind, value, traceback):
-        if not (hasattr(sys, "ps1") or sys.flags.interactive):  # a REPL goes on after one
-            _failure.append(kind)
-        previous(kind, value, traceback)
-
-    sys.excepthook = excepthook
     atexit.register(_exit_if_failed)  # after JAX's own, so it runs before JAX's barrier
 
 
 def _exit_if_failed():
-    if not _failure:
+    failure = processes.failure()
+    if failure is None:
         return
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
-    os._exit(130 if issubclass(_failure[0], KeyboardInterrupt) else 1)
+    os._exit(130 if issubclass(failure, KeyboardInterrupt) else 1)
