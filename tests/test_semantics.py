@@ -2,19 +2,23 @@
 names, training flags, BatchNorm in padded steps, shuffling and gradient accumulation.
 
 Every comparison is against plain Keras on one device, with batches that leave padded steps
-on the devices used (float32; 1e-5 relative unless a test says why).
+on the devices used (float32; 1e-5 relative unless a test says why). The tests run on every
+engine: the models' own steps are written in each backend's style, as Keras's guides write
+them, and on torch each test runs in TORCH_WORLD processes (see conftest).
 """
 
 import random
 
-import jax
 import keras
 import numpy as np
 import pytest
 from keras import layers, ops
 
 import keras_multigpu as kmg
-from conftest import assert_weights_close, classification_data
+from conftest import TORCH_WORLD, assert_weights_close, classification_data, engine_gpus
+
+BACKEND = keras.backend.backend()
+pytestmark = pytest.mark.ranks(TORCH_WORLD)
 
 
 def _fit_both(build, compile_fn, fit_kwargs, gpus, seed=0):
@@ -25,7 +29,7 @@ def _fit_both(build, compile_fn, fit_kwargs, gpus, seed=0):
     expected = plain.fit(verbose=0, **fit_kwargs)
     keras.utils.set_random_seed(seed)
     template = build()
-    parallel = kmg.multi_gpu_model(template, gpus=gpus)
+    parallel = kmg.multi_gpu_model(template, gpus=engine_gpus(gpus))
     compile_fn(parallel)
     history = parallel.fit(verbose=0, **fit_kwargs)
     return plain, expected, template, parallel, history
@@ -42,7 +46,8 @@ def _assert_history_close(a, b, rtol=1e-5):
 
 
 class OwnStep(keras.Model):
-    """A JAX-style train_step with its own loss and tracker; compile gets an optimizer only."""
+    """A train_step with its own loss and tracker, in the backend's own style (Keras's
+    "customizing what happens in fit" guides); compile gets an optimizer only."""
 
     traces = 0
 
@@ -59,22 +64,53 @@ class OwnStep(keras.Model):
     def metrics(self):
         return [self.tracker]
 
-    def _loss(self, trainable, non_trainable, x, y):
-        y_pred, non_trainable = self.stateless_call(trainable, non_trainable, x)
-        return ops.mean(ops.square(y_pred - y)), non_trainable
+    if BACKEND == "jax":
+        def _loss(self, trainable, non_trainable, x, y):
+            y_pred, non_trainable = self.stateless_call(trainable, non_trainable, x)
+            return ops.mean(ops.square(y_pred - y)), non_trainable
 
-    def train_step(self, state, data):
-        OwnStep.traces += 1
-        trainable, non_trainable, optimizer_vars, metric_vars = state
-        x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
-        (loss, non_trainable), grads = jax.value_and_grad(self._loss, has_aux=True)(
-            trainable, non_trainable, x, y
-        )
-        trainable, optimizer_vars = self.optimizer.stateless_apply(optimizer_vars, grads,
-                                                                   trainable)
-        metric_vars = self.tracker.stateless_update_state(metric_vars, loss)
-        logs = {"own_loss": self.tracker.stateless_result(metric_vars)}
-        return logs, (trainable, non_trainable, optimizer_vars, metric_vars)
+        def train_step(self, state, data):
+            import jax
+
+            OwnStep.traces += 1
+            trainable, non_trainable, optimizer_vars, metric_vars = state
+            x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+            (loss, non_trainable), grads = jax.value_and_grad(self._loss, has_aux=True)(
+                trainable, non_trainable, x, y
+            )
+            trainable, optimizer_vars = self.optimizer.stateless_apply(optimizer_vars, grads,
+                                                                       trainable)
+            metric_vars = self.tracker.stateless_update_state(metric_vars, loss)
+            logs = {"own_loss": self.tracker.stateless_result(metric_vars)}
+            return logs, (trainable, non_trainable, optimizer_vars, metric_vars)
+
+    elif BACKEND == "tensorflow":
+        def train_step(self, data):
+            import tensorflow as tf
+
+            OwnStep.traces += 1
+            x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+            with tf.GradientTape() as tape:
+                loss = ops.mean(ops.square(self(x, training=True) - y))
+            grads = tape.gradient(loss, self.trainable_weights)
+            self.optimizer.apply(grads, self.trainable_weights)
+            self.tracker.update_state(loss)
+            return {"own_loss": self.tracker.result()}
+
+    else:
+        def train_step(self, data):
+            import torch
+
+            OwnStep.traces += 1
+            x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+            self.zero_grad()
+            loss = ops.mean(ops.square(self(x, training=True) - y))
+            loss.backward()
+            grads = [v.value.grad for v in self.trainable_weights]
+            with torch.no_grad():
+                self.optimizer.apply(grads, self.trainable_weights)
+            self.tracker.update_state(loss)
+            return {"own_loss": self.tracker.result()}
 
 
 def _built(model, features=6):
@@ -90,7 +126,7 @@ def test_own_train_step_runs_and_equals_one_device():
         lambda: _built(OwnStep()), lambda m: m.compile(optimizer="adam"),
         {"x": x, "y": y, "batch_size": 10, "epochs": 2}, gpus=3,
     )
-    assert OwnStep.traces >= 2  # traced for the plain model and for the wrapper
+    assert OwnStep.traces >= 2  # run (or traced) for the plain model and for the wrapper
     assert list(history.history) == ["own_loss"]
     assert history.history["own_loss"][0] > 0
     _assert_history_close(expected, history)
@@ -105,12 +141,16 @@ class BadStep(keras.Model):
     def call(self, x):
         return self.dense(x)
 
-    def train_step(self, state, data):
-        return 0.0, state  # logs must be a dict
+    if BACKEND == "jax":
+        def train_step(self, state, data):
+            return 0.0, state  # logs must be a dict
+    else:
+        def train_step(self, data):
+            return 0.0
 
 
 def test_a_step_returning_no_dict_is_refused_clearly():
-    parallel = kmg.multi_gpu_model(_built(BadStep()), gpus=2)
+    parallel = kmg.multi_gpu_model(_built(BadStep()), gpus=engine_gpus(2))
     parallel.compile(optimizer="sgd")
     x, _ = classification_data(8)
     with pytest.raises(TypeError, match=r"BadStep\.train_step must return its logs as a dict"):
@@ -171,16 +211,23 @@ class OwnPredict(keras.Model):
     def call(self, x):
         return self.dense(x)
 
-    def predict_step(self, state, data):
-        outputs, non_trainable = super().predict_step(state, data)
-        return {"logits": outputs, "twice": 2.0 * outputs}, non_trainable
+    if BACKEND == "jax":
+        def predict_step(self, state, data):
+            outputs, non_trainable = super().predict_step(state, data)
+            return {"logits": outputs, "twice": 2.0 * outputs}, non_trainable
+    else:
+        def predict_step(self, data):
+            outputs = super().predict_step(data)
+            return {"logits": outputs, "twice": 2.0 * outputs}
 
 
 def test_own_predict_step_runs_on_every_row():
     x, _ = classification_data(11)
+    keras.utils.set_random_seed(0)  # the same weights in every process (torch's)
     template = _built(OwnPredict())
     expected = template.predict(x, batch_size=4, verbose=0)
-    got = kmg.multi_gpu_model(template, gpus=3).predict(x, batch_size=4, verbose=0)
+    got = kmg.multi_gpu_model(template, gpus=engine_gpus(3)).predict(x, batch_size=4,
+                                                               verbose=0)
     assert set(got) == {"logits", "twice"}
     for key in expected:
         assert got[key].shape == (11, 2)
@@ -239,7 +286,7 @@ def test_named_outputs_with_dict_targets_and_loss_weights():
 
 def test_dict_keys_that_name_nothing_are_refused():
     x, y = _ticket_data(8)
-    parallel = kmg.multi_gpu_model(_ticket_model(), gpus=2)
+    parallel = kmg.multi_gpu_model(_ticket_model(), gpus=engine_gpus(2))
     _compile_ticket(parallel)
     with pytest.raises(ValueError, match=r"x is a dict with key\(s\) \['titel'\] that name no "
                                          r"input.*\['title', 'tags'\]"):
@@ -375,7 +422,7 @@ def test_shuffling_moves_the_global_generators_as_keras_does():
     for wrap in (False, True):
         keras.utils.set_random_seed(4)
         model = _dense()
-        target = kmg.multi_gpu_model(model, gpus=2) if wrap else model
+        target = kmg.multi_gpu_model(model, gpus=engine_gpus(2)) if wrap else model
         _compile_sgd(target)
         target.fit(x, y, batch_size=10, epochs=2, verbose=0)
         target.fit(x, y, batch_size=10, epochs=1, verbose=0)  # a second call draws on
@@ -404,7 +451,7 @@ def test_gradient_accumulation_equals_one_device():
 def test_gradient_accumulation_below_one_is_refused():
     optimizer = keras.optimizers.SGD()
     optimizer.gradient_accumulation_steps = 0  # Keras's constructor lets 0 through as "off"
-    parallel = kmg.multi_gpu_model(_dense(), gpus=2)
+    parallel = kmg.multi_gpu_model(_dense(), gpus=engine_gpus(2))
     with pytest.raises(ValueError, match=r"gradient_accumulation_steps must be None or an "
                                          r"integer >= 2.*Received: gradient_accumulation_steps=0"):
         parallel.compile(optimizer=optimizer, loss="categorical_crossentropy")
@@ -446,7 +493,7 @@ def test_compiling_the_template_after_wrapping_is_seen():
     for wrap in (False, True):
         keras.utils.set_random_seed(3)
         template = _dense()
-        target = kmg.multi_gpu_model(template, gpus=2) if wrap else template
+        target = kmg.multi_gpu_model(template, gpus=engine_gpus(2)) if wrap else template
         template.compile(optimizer="sgd", loss="categorical_crossentropy", metrics=["accuracy"])
         first = target.fit(x, y, batch_size=7, epochs=1, verbose=0).history
         template.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse",

@@ -271,7 +271,8 @@ class Feed(data_adapters.data_adapter.DataAdapter):
 
         served = [tree.map_structure(np.asarray, self.serve(made_up(rows)))
                   for rows in (1, self.replicas + 1)]  # padded sizes that differ
-        return data_adapters.data_adapter_utils.get_tensor_spec(served)
+        # tf.data reads a list as one tensor: lists become tuples, as Keras's adapters do.
+        return tree.lists_to_tuples(data_adapters.data_adapter_utils.get_tensor_spec(served))
 
     # -- exact resume (see `keras_multigpu.callbacks.Checkpoint`) ----------------
 
