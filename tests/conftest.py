@@ -119,10 +119,14 @@ def engine_gpus(gpus):
 
 
 def _world(item):
+    """A test's processes: one for a `gpus` parameter of 1 (engine_gpus keeps it one
+    device), else its `ranks` mark, else its `gpus` parameter, else one."""
+    gpus = getattr(item, "funcargs", {}).get("gpus")
+    if gpus == 1:
+        return 1
     marker = item.get_closest_marker("ranks")
     if marker is not None:
         return marker.args[0]
-    gpus = getattr(item, "funcargs", {}).get("gpus")
     return gpus if isinstance(gpus, int) else 1
 
 

@@ -16,6 +16,7 @@ user's model.
 """
 
 import contextlib
+import warnings
 
 import keras
 from keras import tree
@@ -294,10 +295,18 @@ class ParallelModel(Calls, TemplateFace, keras.Model):
             return
         for optimizer in _optimizers(template):
             _check_gradient_accumulation(optimizer)
+        steps = template.steps_per_execution
+        if steps > 1 and not backends.has(self._backend, "multi_step"):
+            warnings.warn(
+                f"steps_per_execution={steps} runs as 1 on the {keras.backend.backend()} "
+                "engine: Keras's multi-step loop fails under tf.distribute (keras-team/keras"
+                "#19246, \"You must feed a value for placeholder tensor\"). The results are the "
+                "same; callbacks' batch hooks run after every step.", stacklevel=3)
+            steps = 1
         with self._scope():
             super().compile(
                 optimizer=template.optimizer,
-                steps_per_execution=template.steps_per_execution,
+                steps_per_execution=steps,
                 jit_compile=template.jit_compile if backends.has(self._backend, "jit")
                 else False,
                 run_eagerly=template.run_eagerly,

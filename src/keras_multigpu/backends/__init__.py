@@ -73,6 +73,9 @@ would (the `check` test in tests/test_backends.py holds every engine to this):
 - "process_per_device": one process per device (torch): a script started
   with `python` on several devices is relaunched by the launcher
   (`keras_multigpu.launch.relaunch`).
+- "multi_step": Keras's `steps_per_execution` above 1 runs as Keras runs it;
+  without it (TensorFlow: Keras's multi-step loop fails under tf.distribute,
+  keras-team/keras#19246) the steps run one per execution, with a warning.
 - "metric_shares": `global_metric_state(variables)`, the metrics' global
   values from every process's share, and `local_metric_state(variables,
   values)`, this process's share of saved global values (torch, whose
@@ -113,6 +116,7 @@ CAPABILITY_NAMES = {
     "to_backend": ("to_backend",),
     "batch_spec": ("batch_spec",),
     "process_per_device": (),
+    "multi_step": (),
     "metric_shares": ("global_metric_state", "local_metric_state"),
 }
 

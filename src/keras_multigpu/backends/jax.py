@@ -49,7 +49,8 @@ from keras_multigpu.backends._marker import tag, untag  # noqa: F401 (the seam's
 from keras_multigpu.devices import Device
 
 # What this engine does beyond the seam's common names (see `keras_multigpu.backends`).
-CAPABILITIES = frozenset({"cpu_devices", "jit", "resident", "shard", "free_memory", "watch"})
+CAPABILITIES = frozenset({"cpu_devices", "jit", "resident", "shard", "free_memory", "watch",
+                          "multi_step"})
 
 
 # -- the engine -------------------------------------------------------------------

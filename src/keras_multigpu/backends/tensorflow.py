@@ -18,9 +18,12 @@ where k_r is replica r's real rows and n the global batch's. Here, beside them:
   which every replica's thread shares).
 
 A padded batch travels with one marker row per row (`tag`): whether the row
-is real, and n. Real rows are dealt to replicas in contiguous runs that
-differ by at most one, so only a batch smaller than the device count leaves
-a replica with none; that replica runs on zero rows and weighs nothing.
+is real, n, and the replica the row is dealt to. Real rows are dealt to
+replicas in contiguous runs that differ by at most one, so only a batch
+smaller than the device count leaves a replica with none; that replica runs
+on zero rows and weighs nothing. A replica keeps the rows marked with its
+index: its part of a distributed dataset (`fit`), or its run of the whole
+batch that Keras's `*_on_batch` hand every replica.
 
 The user's model is built outside any strategy. For the length of each
 call its variables are swapped for mirrored ones (same values, same
@@ -309,7 +312,8 @@ def tag(batch, rows, replicas):
     """
     order, real = _deal(rows, replicas)  # covers the padded size, a multiple of replicas
     dealt = tree.map_structure(lambda a: None if a is None else np.asarray(a)[order], batch)
-    marker = np.stack([real.astype("int32"), np.full(len(order), rows, "int32")], axis=1)
+    replica = np.repeat(np.arange(replicas), len(order) // replicas)
+    marker = np.stack([real, np.full(len(order), rows), replica], axis=1).astype("int32")
     return ({_BATCH: dealt, _ROWS: marker},)
 
 
@@ -325,6 +329,17 @@ def _unwrap(data):
     return data
 
 
+def _replica_id():
+    context = tf.distribute.get_replica_context()
+    return tf.cast(0 if context is None else context.replica_id_in_sync_group, "int32")
+
+
+def _mine(marker):
+    """(first, k): where this replica's rows start among `marker`'s, and its real rows."""
+    mine = tf.cast(marker[:, 2] == _replica_id(), "int32")
+    return tf.argmax(mine, output_type=tf.int32), tf.reduce_sum(marker[:, 0] * mine)
+
+
 def untag(data):
     """The real rows of this replica's part of a tagged batch, else `data` itself."""
     data = _unwrap(data)
@@ -333,8 +348,8 @@ def untag(data):
     batch, marker = data[_BATCH], data[_ROWS]
     if isinstance(marker, keras.KerasTensor):  # a symbolic build: shapes only
         return batch
-    real = tf.reduce_sum(marker[:, 0])
-    return tree.map_structure(lambda a: None if a is None else a[:real], batch)
+    first, real = _mine(marker)
+    return tree.map_structure(lambda a: None if a is None else a[first:first + real], batch)
 
 
 def _counts(data):
@@ -343,11 +358,11 @@ def _counts(data):
     data = _unwrap(data)
     context = tf.distribute.get_replica_context()
     replicas = context.num_replicas_in_sync
-    replica = tf.cast(context.replica_id_in_sync_group, "int32")
+    replica = _replica_id()
     if _tagged(data):
         marker = data[_ROWS]
         # Every replica's part holds at least one marker row, so n is read there.
-        k, n = tf.reduce_sum(marker[:, 0]), tf.reduce_max(marker[:, 1])
+        k, n = _mine(marker)[1], tf.reduce_max(marker[:, 1])
         return k, n, replica * (n // replicas) + tf.minimum(replica, n % replicas)
     first = next(leaf for leaf in tree.flatten(data) if leaf is not None)
     k = tf.shape(first)[0]

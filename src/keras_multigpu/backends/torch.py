@@ -49,7 +49,7 @@ from keras_multigpu.devices import Device, cpu_device_count
 
 # What this engine does beyond the seam's common names (see `keras_multigpu.backends`).
 CAPABILITIES = frozenset({"release", "generator", "to_backend", "process_per_device",
-                          "metric_shares"})
+                          "metric_shares", "multi_step"})
 
 # Inside a step run by `run_step`: `state`, its `rules.Replica` (k, n, start as ints).
 _replica = threading.local()
