@@ -23,6 +23,11 @@ bash scripts/setup.sh jax,test,peers,experiment
 .venv/bin/python -m pip install -q torch==2.13.0
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
+# JAX's persistent compilation cache, for this run only: the suite compiles the same small
+# steps again and again (each test builds its models afresh, each subprocess starts cold),
+# and on CPU devices compiling is most of a JAX test's time.
+export JAX_COMPILATION_CACHE_DIR="$logs/jax-cache" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
+    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
 # --durations: the slowest tests, to keep the whole under 30 min.
 next_wheel=$(ls ../shared/keras-next/keras-*.whl 2>/dev/null | head -1 || true)
 if [ -n "$next_wheel" ]; then

@@ -110,12 +110,44 @@ def assert_weights_close(a, b, atol=1e-5):
 TORCH_WORLD = 2  # the processes a torch test of the behaviour suite runs in
 
 
+class PerProcess:
+    """A fixture's value that each process of a torch test makes for itself (a wrapped
+    model joins the processes, which exist only once the test forks them): `make()` runs on
+    the first `get()` in a process, and `finish(value)`, if given, after the test there."""
+
+    def __init__(self, make, finish=None):
+        self._make, self.finish, self._made = make, finish, {}
+
+    def get(self):
+        if os.getpid() not in self._made:
+            self._made[os.getpid()] = self._make()
+        return self._made[os.getpid()]
+
+
+def per_process(make, finish=None):
+    """A fixture's value, made now, or by each process of a torch test (`PerProcess`)."""
+    value = PerProcess(make, finish)
+    return value if keras.backend.backend() == "torch" else value.get()
+
+
+def _call(function, arguments):
+    """Calls a test with its arguments, each `PerProcess` one made in this process."""
+    made = {name: value.get() if isinstance(value, PerProcess) else value
+            for name, value in arguments.items()}
+    function(**made)
+    for value in arguments.values():
+        if isinstance(value, PerProcess) and value.finish is not None:
+            value.finish(value.get())
+
+
 def engine_gpus(gpus):
     """The devices a behaviour test wraps a model on: `gpus` on JAX and TensorFlow, which
     take any count of their virtual devices in one process; on torch, one process per
-    device, the TORCH_WORLD processes the test runs in (its module's `ranks` mark), unless
-    it asks for one device."""
-    return TORCH_WORLD if keras.backend.backend() == "torch" and gpus != 1 else gpus
+    device, the processes the test runs in (TORCH_WORLD, its module's `ranks` mark; one
+    where a test is marked `ranks(1)`), unless it asks for one device."""
+    if keras.backend.backend() == "torch" and gpus != 1:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    return gpus
 
 
 def _world(item):
@@ -138,16 +170,19 @@ def pytest_configure(config):
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem):
     """Under torch, runs a multi-device test in that many forked, gloo-joined processes."""
-    world = _world(pyfuncitem)
-    if keras.backend.backend() != "torch" or world <= 1:
+    if keras.backend.backend() != "torch":
         return None
     import _ranks
 
     arguments = {name: pyfuncitem.funcargs[name]
                  for name in pyfuncitem._fixtureinfo.argnames}
-    _ranks.run(world, lambda: pyfuncitem.obj(**arguments))
+    world = _world(pyfuncitem)
+    if world <= 1:
+        _call(pyfuncitem.obj, arguments)
+    else:
+        _ranks.run(world, lambda: _call(pyfuncitem.obj, arguments))
     return True
 
 
 __all__ = ["kmg", "classification_data", "assert_weights_close", "cifar_dir", "synthetic_cifar",
-           "engine_gpus", "TORCH_WORLD"]
+           "engine_gpus", "per_process", "PerProcess", "TORCH_WORLD"]

@@ -1,10 +1,14 @@
-"""User-facing errors through the public API: clear, early, never JAX-internal."""
+"""User-facing errors through the public API: clear, early, never JAX-internal. On every
+engine; on torch each test runs in TORCH_WORLD processes, each wrapping its own model."""
 
 import keras
 import numpy as np
 import pytest
 
 import keras_multigpu as kmg
+from conftest import TORCH_WORLD, PerProcess, engine_gpus, per_process
+
+pytestmark = pytest.mark.ranks(TORCH_WORLD)
 
 
 def _data(n, features=6, classes=3, seed=0):
@@ -21,9 +25,12 @@ def model(dense_model):
 
 @pytest.fixture
 def parallel(model):
-    p = kmg.multi_gpu_model(model, gpus=2)
-    p.compile(optimizer="sgd", loss="categorical_crossentropy", metrics=["accuracy"])
-    return p
+    def make():
+        p = kmg.multi_gpu_model(model, gpus=engine_gpus(2))
+        p.compile(optimizer="sgd", loss="categorical_crossentropy", metrics=["accuracy"])
+        return p
+
+    return per_process(make)
 
 
 @pytest.fixture
@@ -33,16 +40,25 @@ def no_training(monkeypatch, parallel):
     def started(*args, **kwargs):
         raise AssertionError("Keras's fit was called: the error came too late")
 
+    def before():
+        model = parallel.get() if isinstance(parallel, PerProcess) else parallel
+        return model, _weights(model)
+
+    def unmoved(state):
+        model, weights = state
+        assert int(model.optimizer.iterations.value) == 0
+        for a, b in zip(weights, _weights(model)):
+            np.testing.assert_array_equal(a, b)
+
     monkeypatch.setattr(keras.Model, "fit", started)
-    before = _weights(parallel)
-    yield
-    assert int(parallel.optimizer.iterations.value) == 0
-    for a, b in zip(before, _weights(parallel)):
-        np.testing.assert_array_equal(a, b)
+    check = per_process(before, unmoved)
+    yield check
+    if not isinstance(check, PerProcess):
+        unmoved(check)
 
 
 def _weights(parallel):
-    return [np.array(v.value) for v in parallel.template.variables]
+    return [keras.ops.convert_to_numpy(v.value) for v in parallel.template.variables]
 
 
 # -- multi_gpu_model ---------------------------------------------------------------
@@ -87,7 +103,7 @@ def test_multi_gpu_model_refuses_bad_gpus(model, gpus, error, shown):
 def test_too_many_gpus_lists_what_exists(model):
     with pytest.raises(ValueError) as info:
         kmg.multi_gpu_model(model, gpus=9)
-    assert "0, 1, 2, 3, 4, 5, 6, 7" in str(info.value)
+    assert ", ".join(str(d.id) for d in kmg.list_devices()) in str(info.value)  # 0, 1, ... 7
     assert "gpus=None" in str(info.value)
 
 
@@ -226,7 +242,7 @@ def test_save_weights_without_overwrite_onto_an_existing_file(parallel, tmp_path
 
 
 def test_compile_loss_without_reduction(model):
-    parallel = kmg.multi_gpu_model(model, gpus=2)
+    parallel = kmg.multi_gpu_model(model, gpus=engine_gpus(2))
     loss = keras.losses.CategoricalCrossentropy(reduction=None)
     with pytest.raises(ValueError, match=r"reduction=None") as info:
         parallel.compile(optimizer="sgd", loss=loss)
@@ -302,7 +318,7 @@ def test_a_damaged_weights_file_is_named(parallel, tmp_path, name):
 
 SAVE_WITH_A_FILE_SIZE_LIMIT = r"""
 import os, resource, signal, sys
-os.environ["KERAS_BACKEND"] = "jax"
+os.environ.setdefault("KERAS_BACKEND", "jax")  # the test's own
 import keras, numpy as np
 import keras_multigpu as kmg
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
@@ -318,6 +334,7 @@ except OSError as error:
 """
 
 
+@pytest.mark.ranks(1)  # a process of its own
 def test_a_write_error_names_the_path_and_keeps_the_last_good_file(tmp_path):
     import subprocess
     import sys
@@ -334,7 +351,7 @@ def test_a_write_error_names_the_path_and_keeps_the_last_good_file(tmp_path):
 
 KILLED_MID_SAVE = r"""
 import os, sys, time
-os.environ["KERAS_BACKEND"] = "jax"
+os.environ.setdefault("KERAS_BACKEND", "jax")  # the test's own
 import keras
 import keras_multigpu as kmg
 model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
@@ -349,6 +366,7 @@ parallel.save(sys.argv[1])
 """
 
 
+@pytest.mark.ranks(1)  # a process of its own, then this one's save (on one torch process)
 def test_a_save_killed_midway_leaves_nothing_after_the_next_save(parallel, tmp_path):
     import signal
     import subprocess
