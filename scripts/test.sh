@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
 # The test command: sets itself up, then runs the suite on virtual CPU devices
 # (no GPU needed), one pytest process per engine, since KERAS_BACKEND is fixed
-# per process. Two streams share the cores; each one's output is printed when it ends.
-# - The JAX stream: the whole suite on JAX, then the exactness tests (the rules, the
-#   engine contract, the batch order and shuffling) again on the next Keras
-#   (../shared/keras-next, Keras's main branch as a wheel, laid over the environment's
-#   Keras through PYTHONPATH, so nothing else changes).
-# - The other stream: the engine contract, the real Keras programs and the rule units on
-#   TensorFlow (with its several-worker tests, tests/test_multihost_tf.py, and the
-#   behaviour tests of saving, callbacks, errors and inputs), then on PyTorch (whose
-#   multi-device tests fork one gloo process per device) with the launcher's tests across
-#   machines (tests/test_multihost.py), the benchmark harness's (tests/test_bench.py) and
-#   the behaviour tests of saving, callbacks and inputs;
-#   then the launcher's own tests (tests/test_launch.py, on JAX) and the next Keras's
-#   exactness tests on torch. The split keeps the two streams near the same length.
+# per process. Two streams share the cores; each run's output is printed when it ends.
+# - Stream 1: the whole suite on JAX; the exactness tests (the rules, the engine
+#   contract, the batch order and shuffling) again on the next Keras (../shared/keras-next,
+#   Keras's main branch as a wheel, laid over the environment's Keras through PYTHONPATH,
+#   so nothing else changes); then torch's launcher tests across machines
+#   (tests/test_multihost.py) and the benchmark harness's (tests/test_bench.py).
+# - Stream 2: the behaviour suite on TensorFlow and on PyTorch (whose multi-device tests
+#   fork one gloo process per device): the rule units, the engine contract, the real Keras
+#   programs, semantics, parallel, errors, inputs, saving, callbacks and the checkpoint's
+#   in-process tests (its killed runs start each engine in the JAX run), with TensorFlow's
+#   several-worker tests (tests/test_multihost_tf.py); then the launcher's own tests
+#   (tests/test_launch.py, on JAX) and the next Keras's exactness tests on torch.
+# The split keeps the two streams near the same length.
 # pytest exits non-zero when a test fails and 5 when no test ran; either fails
 # this script.
 set -euo pipefail
@@ -28,7 +28,6 @@ trap 'rm -rf "$logs"' EXIT
 # and on CPU devices compiling is most of a JAX test's time.
 export JAX_COMPILATION_CACHE_DIR="$logs/jax-cache" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
     JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
-# --durations: the slowest tests, to keep the whole under 30 min.
 next_wheel=$(ls ../shared/keras-next/keras-*.whl 2>/dev/null | head -1 || true)
 if [ -n "$next_wheel" ]; then
   .venv/bin/python -m pip install -q --no-deps --target "$logs/keras-next" "$next_wheel"
@@ -46,36 +45,41 @@ next_keras() {  # the exactness tests on the next Keras, on backend $1
       -p no:cacheprovider tests/test_rules.py tests/test_engines.py \
       $([ "$1" = jax ] && echo tests/test_batching.py $next_shuffling)
 }
-jax_stream() {
+run() {  # a log name, a backend, then pytest's arguments: runs them, then prints the log
+  local log=$1 backend=$2
+  shift 2
   local status=0
-  KERAS_BACKEND=jax .venv/bin/python -m pytest -q -p no:cacheprovider \
-      --ignore=tests/test_multihost.py --ignore=tests/test_multihost_tf.py \
-      --ignore=tests/test_bench.py --ignore=tests/test_launch.py --durations=15 "$@" \
-      || status=1
-  next_keras jax || status=1
+  # --durations: the slowest tests, to keep the whole under 30 min.
+  KERAS_BACKEND=$backend .venv/bin/python -m pytest -q -p no:cacheprovider --durations=10 \
+      "$@" > "$logs/$log" 2>&1 || status=1
+  echo "== KERAS_BACKEND=$backend: $*"
+  cat "$logs/$log"
   return $status
 }
-jax_stream "$@" > "$logs/jax" 2>&1 &
-jax=$!
-status=0
-run() {  # backend, then test files: runs them, then prints what ran and its output
-  local backend=$1
-  shift
-  KERAS_BACKEND=$backend .venv/bin/python -m pytest -q -p no:cacheprovider --durations=10 \
-      "$@" > "$logs/b-$backend" 2>&1 || status=1
-  echo "== KERAS_BACKEND=$backend: $*"
-  cat "$logs/b-$backend"
+stream1() {
+  local status=0
+  run jax jax --ignore=tests/test_multihost.py --ignore=tests/test_multihost_tf.py \
+      --ignore=tests/test_bench.py --ignore=tests/test_launch.py "$@" || status=1
+  next_keras jax || status=1
+  run torch-hosts torch tests/test_multihost.py tests/test_bench.py || status=1
+  return $status
 }
-contract="tests/test_rules.py tests/test_engines.py tests/test_programs.py"
+stream1 "$@" > "$logs/stream1" 2>&1 &
+first=$!
+status=0
+# The checkpoint's in-process tests: its killed runs start every engine from the JAX run.
+checkpoint="tests/test_checkpoint.py --deselect tests/test_checkpoint.py::test_a_run_killed
+  --deselect tests/test_checkpoint.py::test_a_ctrl_c"
+behaviour="tests/test_rules.py tests/test_engines.py tests/test_programs.py
+  tests/test_semantics.py tests/test_parallel.py tests/test_errors.py tests/test_inputs.py
+  tests/test_saving.py tests/test_callbacks.py $checkpoint"
 # TensorFlow's workers join at import, before its runtime starts: their test runs there.
-run tensorflow $contract tests/test_multihost_tf.py tests/test_saving.py \
-    tests/test_callbacks.py tests/test_errors.py tests/test_inputs.py
-run torch $contract tests/test_multihost.py tests/test_bench.py tests/test_saving.py \
-    tests/test_callbacks.py tests/test_inputs.py
-run jax tests/test_launch.py
+run tensorflow tensorflow $behaviour tests/test_multihost_tf.py || status=1
+run torch torch $behaviour || status=1
+run launch jax tests/test_launch.py || status=1
 next_keras torch > "$logs/next-torch" 2>&1 || status=1
 cat "$logs/next-torch"
-wait "$jax" || status=1
-echo "== KERAS_BACKEND=jax: the rest of the suite, then the next Keras"
-cat "$logs/jax"
+wait "$first" || status=1
+echo "== stream 1: JAX, the next Keras on JAX, torch across machines"
+cat "$logs/stream1"
 exit "$status"
