@@ -70,7 +70,7 @@ class _MultiWorker(tf.distribute.MultiWorkerMirroredStrategy):
     the parts to workers in turn), while replica indexes run worker by
     worker (w * G + r). Here every worker reads the global batch and keeps
     its own parts, in replica order, so that replica i gets part i: the
-    contiguous runs that `tag` deals and `_counts` assumes, as one worker's
+    contiguous runs that `_tf_batches.tag` deals and `_counts` assumes, as one worker's
     MirroredStrategy gets them.
     """
 
