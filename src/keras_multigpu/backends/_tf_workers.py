@@ -6,6 +6,7 @@ its contiguous run of the global batch, and hands `keras_multigpu.processes` the
 coordination service's key-value store.
 """
 
+import atexit
 import concurrent.futures
 import json
 import os
@@ -223,6 +224,9 @@ def _join(spec, task_type, task_id, configure_cpu_devices):
         tf_collective.CollectiveAllReduceExtended._initialize_local_devices = local_devices
     workers = _Workers(spec, task_type, task_id, strategy)
     processes.join(_Store(workers))
+    # Worker 0 runs the coordination service, whose store the others may still read at
+    # exit (the outcome of the last save): it leaves last.
+    atexit.register(processes.leave)
     return workers
 
 
