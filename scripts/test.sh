@@ -6,13 +6,14 @@
 #   contract, the batch order and shuffling) again on the next Keras (../shared/keras-next,
 #   Keras's main branch as a wheel, laid over the environment's Keras through PYTHONPATH,
 #   so nothing else changes); then torch's launcher tests across machines
-#   (tests/test_multihost.py) and the benchmark harness's (tests/test_bench.py).
+#   (tests/test_multihost.py) and the benchmark harness's (tests/test_bench.py), the
+#   launcher's own tests (tests/test_launch.py, on JAX) and the next Keras's exactness
+#   tests on torch.
 # - Stream 2: the behaviour suite on TensorFlow and on PyTorch (whose multi-device tests
 #   fork one gloo process per device): the rule units, the engine contract, the real Keras
 #   programs, semantics, parallel, errors, inputs, saving, callbacks and the checkpoint's
 #   in-process tests (its killed runs start each engine in the JAX run), with TensorFlow's
-#   several-worker tests (tests/test_multihost_tf.py); then the launcher's own tests
-#   (tests/test_launch.py, on JAX) and the next Keras's exactness tests on torch.
+#   several-worker tests (tests/test_multihost_tf.py).
 # The split keeps the two streams near the same length.
 # pytest exits non-zero when a test fails and 5 when no test ran; either fails
 # this script.
@@ -62,6 +63,8 @@ stream1() {
       --ignore=tests/test_bench.py --ignore=tests/test_launch.py "$@" || status=1
   next_keras jax || status=1
   run torch-hosts torch tests/test_multihost.py tests/test_bench.py || status=1
+  run launch jax tests/test_launch.py || status=1
+  next_keras torch || status=1
   return $status
 }
 stream1 "$@" > "$logs/stream1" 2>&1 &
@@ -76,10 +79,7 @@ behaviour="tests/test_rules.py tests/test_engines.py tests/test_programs.py
 # TensorFlow's workers join at import, before its runtime starts: their test runs there.
 run tensorflow tensorflow $behaviour tests/test_multihost_tf.py || status=1
 run torch torch $behaviour || status=1
-run launch jax tests/test_launch.py || status=1
-next_keras torch > "$logs/next-torch" 2>&1 || status=1
-cat "$logs/next-torch"
 wait "$first" || status=1
-echo "== stream 1: JAX, the next Keras on JAX, torch across machines"
+echo "== stream 1: JAX, the next Keras, torch across machines, the launcher"
 cat "$logs/stream1"
 exit "$status"
