@@ -338,3 +338,25 @@ def test_on_batch_methods_equal_one_device(dense_model):
     np.testing.assert_allclose(
         reference.predict_on_batch(x), parallel.predict_on_batch(x), atol=1e-6
     )
+
+
+@pytest.mark.parametrize("rows", [8, 7], ids=["even", "padded"])
+def test_train_on_batch_draws_what_one_device_draws(rows):
+    """Dropout in `train_on_batch`, with a batch that divides the devices and one that
+    does not: the same masks, so the same weights, as one device."""
+    x, y = classification_data(rows)
+
+    def build():
+        keras.utils.set_random_seed(0)
+        return compile_sgd(keras.Sequential([keras.Input((6,)), keras.layers.Dense(8),
+                                             keras.layers.Dropout(0.5),
+                                             keras.layers.Dense(3, activation="softmax")]))
+
+    reference = build()
+    keras.utils.set_random_seed(5)
+    expected = reference.train_on_batch(x, y)
+    template = build()
+    parallel = compile_sgd(kmg.multi_gpu_model(template, gpus=engine_gpus(4)))
+    keras.utils.set_random_seed(5)
+    np.testing.assert_allclose(parallel.train_on_batch(x, y), expected, rtol=1e-5)
+    assert_weights_close(reference.get_weights(), template.get_weights())
