@@ -170,11 +170,8 @@ def test_pad_batch_with_y_and_sample_weight():
     assert y_real.tolist() == y.tolist() and sw_real.tolist() == sw.tolist()
 
 
-def test_pad_batch_keeps_the_users_structure_when_nothing_is_padded():
-    batch, rows = pad_batch((_x(4), np.arange(4)), 2, TAG, always=False)
-    assert rows == 4 and len(batch) == 2
-    np.testing.assert_array_equal(batch[0], _x(4))
-    # A stream tags every batch, padded or not: Keras fixes the layout from the first.
+def test_pad_batch_tags_a_batch_that_needs_no_padding():
+    # Every batch is tagged, padded or not: Keras fixes a stream's layout from the first.
     tagged, _ = pad_batch((_x(4), np.arange(4)), 2, TAG)
     assert _rows(tagged) == 4
     assert len(engine.untag(tagged)) == 2

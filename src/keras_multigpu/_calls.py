@@ -125,9 +125,7 @@ class Calls:
             _close(dataset)
 
     def _pad_one(self, x, y=None, sample_weight=None, class_weight=None):
-        """One batch as the positional `x, y, sample_weight` of Keras's `*_on_batch`, tagged
-        even when it needs no padding: TensorFlow's `*_on_batch` hand every replica the
-        whole batch, and the marker tells each replica its run of it."""
+        """One batch as the positional `x, y, sample_weight` of Keras's `*_on_batch`."""
         batch, _ = batching.pad_batch(
             batching._parts(x, y, sample_weight), self.num_replicas, self._backend.tag,
             class_weight,

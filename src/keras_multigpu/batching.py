@@ -219,17 +219,16 @@ def class_sample_weights(y, class_weight, sample_weight=None):
     )
 
 
-def pad_batch(batch, replicas, tag, class_weight=None, always=True):
-    """Pads one `(x,)`, `(x, y)` or `(x, y, sample_weight)` batch.
+def pad_batch(batch, replicas, tag, class_weight=None):
+    """Pads one `(x,)`, `(x, y)` or `(x, y, sample_weight)` batch, and tags it even when it
+    needs no padding: Keras fixes a stream's data layout from its first batch, and
+    TensorFlow's `*_on_batch` hand every replica the whole batch, which the marker splits.
 
     Args:
         batch: the batch, as a user's dataset yields it.
         replicas: the device count.
         tag: the engine's `tag(batch, rows, replicas)` (see `backends`).
         class_weight: Keras's `class_weight`, turned into sample weights.
-        always: tag the batch even when it needs no padding. A dataset
-            whose batches may differ must tag them all, because Keras fixes
-            the data layout from an epoch's first batch.
 
     Returns:
         `(data, rows)`: what to hand to Keras, and the real row count.
@@ -245,8 +244,6 @@ def pad_batch(batch, replicas, tag, class_weight=None, always=True):
         None if part is None else tree.map_structure(np.asarray, part)
         for part in _parts(x, y, sample_weight)
     )
-    if rows % replicas == 0 and not always:
-        return parts, rows
     index, _ = pad_indices(rows, replicas)
     return tag(tuple(_take(part, index) for part in parts), rows, replicas), rows
 
