@@ -34,10 +34,12 @@ class _Replicas:
         self.split, self.n = split, sum(split)
         self.barrier = threading.Barrier(len(split), timeout=60)
         self.slots = [None] * len(split)
+        self.calls = [0] * len(split)  # all-reduces per replica
         self.local = threading.local()
 
     def _all_reduce(self, r):
         def all_reduce(values, what):
+            self.calls[r] += 1
             self.slots[r] = [keras.ops.convert_to_numpy(v) for v in values]
             self.barrier.wait()
             summed = [sum(parts) for parts in zip(*self.slots)]
@@ -61,7 +63,7 @@ class _Replicas:
         def body(r, k, start):
             self.local.index = r
             self.local.replica = rules.Replica(k, self.n, start, len(self.split),
-                                               self._all_reduce(r))
+                                               self._all_reduce(r), index=r)
             try:
                 results[r] = function(self.local.replica, slice(start, start + k))
             except BaseException as error:  # noqa: BLE001 (raised in the test's thread)
@@ -184,6 +186,53 @@ def test_a_metric_result_read_by_a_replica_is_one_devices(split, metric):
         np.testing.assert_allclose(_numpy(result), _numpy(one.result()), rtol=1e-6)
 
 
+class _Trainer:
+    """What Keras's `get_metrics_result` reads of a trainer: its metrics."""
+
+    get_metrics_result = base_trainer.Trainer.get_metrics_result
+
+    def __init__(self):
+        self.metrics = [keras.metrics.Mean(name="loss"), keras.metrics.BinaryAccuracy(),
+                        keras.metrics.AUC(num_thresholds=20, name="auc")]
+
+    def update(self, losses, y_true, y_pred):
+        self.metrics[0].update_state(losses)
+        for metric in self.metrics[1:]:
+            metric.update_state(y_true, y_pred)
+
+
+@pytest.mark.parametrize("split", SPLITS, ids=str)
+def test_a_steps_logs_are_one_devices_from_one_all_reduce(split):
+    """Every metric's result in a step's logs, as one device reads them, from a single
+    all-reduce per replica (each metric's own `result()` rule stands aside)."""
+    n = sum(split)
+    rng = np.random.default_rng(8)
+    losses = rng.uniform(size=(n,)).astype("float32")
+    y_true = (rng.uniform(size=(n, 1)) > 0.5).astype("float32")
+    y_pred = rng.uniform(size=(n, 1)).astype("float32")
+    one = _Trainer()
+    one.update(losses, y_true, y_pred)
+    expected = {name: _numpy(value) for name, value in one.get_metrics_result().items()}
+    replicas = _Replicas(split)
+    trainers = [_Trainer() for _ in split]
+
+    def logs(replica, rows):
+        trainer = trainers[replicas.index()]
+        if rows.stop > rows.start:
+            trainer.update(losses[rows], y_true[rows], y_pred[rows])
+        return rules.metrics_result(replica, base_trainer.Trainer.get_metrics_result, trainer)
+
+    with rules.installed([(cls, "result", rules.global_result, replicas.guard)
+                          for cls in (keras.metrics.Mean, keras.metrics.BinaryAccuracy,
+                                      keras.metrics.AUC)]):
+        results = replicas.run(logs)
+    assert replicas.calls == [1] * len(split)
+    for result in results:
+        assert set(result) == set(expected)
+        for name, value in result.items():
+            np.testing.assert_allclose(_numpy(value), expected[name], rtol=1e-6, err_msg=name)
+
+
 @pytest.mark.parametrize("split", SPLITS, ids=str)
 @pytest.mark.parametrize("masked", [False, True], ids=["rows", "masked-steps"])
 def test_batchnorm_moments_are_the_global_batchs(split, masked):
@@ -208,6 +257,7 @@ def test_batchnorm_moments_are_the_global_batchs(split, masked):
     for mean, variance in results:
         np.testing.assert_allclose(_numpy(mean), one[0], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(_numpy(variance), one[1], rtol=1e-5, atol=1e-6)
+    assert replicas.calls == [1] * len(split)  # one all-reduce of the moments per replica
 
 
 def _input_gradient(function, x):

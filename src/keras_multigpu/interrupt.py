@@ -29,6 +29,9 @@ class _State:
     # several processes sets this to a function that tells whether any of them
     # was asked to stop (`set_agreement`).
     agree = staticmethod(lambda requested: requested)
+    # A stop flag the processes already summed in a step's own collective (`agreed`),
+    # which the next boundary takes instead of asking `agree`.
+    agreed = None
 
 
 _STATE = _State()
@@ -38,6 +41,19 @@ def set_agreement(agree):
     """Makes every step boundary ask `agree(requested)` whether to stop (every process
     calls it at the same boundaries, so they stop together)."""
     _STATE.agree = agree
+
+
+def requested():
+    """Whether this process was asked to stop (a Ctrl-C not yet acted on)."""
+    return _STATE.requested
+
+
+def agreed(stop):
+    """Tells the next step boundary what every process agreed: whether any of them was
+    asked to stop, as an engine learns it from a collective that every process ran in the
+    same step (the metrics' all-reduce). That boundary asks `agree` nothing. `stop` is
+    read there (`bool(stop)`: a device tensor waits until then)."""
+    _STATE.agreed = stop
 
 
 def _handler(signum, frame):
@@ -94,11 +110,22 @@ class StopOnInterrupt(keras.callbacks.Callback):
     async_safe = True
 
     def _check(self, *args, **kwargs):
-        if _STATE.agree(_STATE.requested):
+        stop, _STATE.agreed = _STATE.agreed, None
+        if stop is None:
+            stop = _STATE.agree(_STATE.requested)
+        if bool(stop):
             raise Interrupted("Stopped by Ctrl-C at a step boundary.")
 
     on_epoch_begin = on_train_batch_begin = on_test_batch_begin = _check
     on_predict_batch_begin = _check
+
+    def _forget(self, *args, **kwargs):
+        # A flag agreed in a step belongs to that call: every process forgets it at the
+        # same points (a validation run inside `fit` starts with a fresh exchange too).
+        _STATE.agreed = None
+
+    on_train_begin = on_test_begin = on_predict_begin = _forget
+    on_train_end = on_test_end = on_predict_end = _forget
 
 
 def end_training(callback_list, logs=None):

@@ -31,7 +31,7 @@ from keras_multigpu.rules_random import batch_draw, dropout, random_draw
 __all__ = [
     "Replica", "weight", "weigh", "reduce_values", "apply_mask", "additional_loss",
     "mean_update", "weighted_sum", "moments", "batch_draw", "random_draw", "dropout",
-    "global_result", "metric_classes", "table", "installed",
+    "global_result", "metrics_result", "metric_classes", "table", "installed",
 ]
 
 
@@ -45,6 +45,8 @@ class Replica:
             (engines that trace the step with a dynamic batch). None outside a step (a
             metric's `result()` read at the end of an epoch needs only the sums).
         replicas: how many replicas there are (a Python int).
+        index: this replica's place among them, 0 to replicas - 1 (an int, or a scalar
+            int tensor): where `moments` puts its sums in the buffer every replica fills.
         all_reduce: `all_reduce(values, what)` sums a list of tensors across replicas,
             with no gradient; `what` names the collective in an error.
         traced: whether the step is traced with a dynamic batch dimension, so that a
@@ -58,6 +60,7 @@ class Replica:
     start: Any
     replicas: int
     all_reduce: Callable
+    index: Any = None
     traced: bool = False
     masked: bool = False
 
@@ -202,36 +205,65 @@ def weighted_sum(replica, value, what="all-reduce of BatchNormalization's moment
 
 def moments(replica, original, layer, inputs, mask):
     """BatchNormalization's `_moments` (`original`, Keras's formulas) over the real rows
-    of every replica: their sums, all-reduced by `weighted_sum`."""
+    of every replica, with one all-reduce forward and one backward.
+
+    Each replica sums its rows (s_r), counts them (c_r) and sums their squared distances
+    to its own mean (q_r); one `weighted_sum` gathers every replica's three (each fills
+    its own row of a replicas-long buffer). Then, for any `mean`,
+
+        sum of squared distances to `mean` = sum over r of q_r + (s_r - c_r * mean)^2 / c_r
+
+    (Chan et al.'s parallel variance), which keeps the two-pass formula's accuracy: a
+    one-pass E[x^2] - E[x]^2 over the replicas cancels far from one device's figures.
+    """
     low = keras.backend.standardize_dtype(inputs.dtype) in ("float16", "bfloat16")
     x = keras.ops.cast(inputs, "float32") if low else inputs
     axes = list(layer._reduction_axes)
-    if mask is None and 0 in axes:
-        # Every entry counts: n rows times the other reduced dimensions, known without an
-        # all-reduce, and no weights to multiply by.
+    if mask is None:  # Keras's `ops.moments`
+        total = keras.ops.sum(x, axes, keepdims=True)
         dims = keras.ops.shape(x)
-        others = functools.reduce(lambda a, b: a * b, [dims[a] for a in axes if a != 0], 1)
-        count = keras.ops.cast(replica.n, x.dtype) * keras.ops.cast(others, x.dtype)
-        mean = keras.ops.divide_no_nan(
-            weighted_sum(replica, keras.ops.sum(x, axes, keepdims=True)), count)
-        centred = x - mean
-    else:
-        if mask is None:
-            weights, epsilon = keras.ops.ones_like(x), 0.0
-        else:
-            weights = keras.ops.broadcast_to(
-                keras.ops.expand_dims(keras.ops.cast(mask, x.dtype), -1), keras.ops.shape(x))
-            epsilon = keras.backend.epsilon()
-        total = weighted_sum(replica, keras.ops.sum(x * weights, axes, keepdims=True))
-        count = weighted_sum(replica, keras.ops.sum(weights, axes, keepdims=True)) + epsilon
-        mean = keras.ops.divide_no_nan(total, count)
-        centred = (x - mean) * weights
-    squares = weighted_sum(replica, keras.ops.sum(keras.ops.square(centred), axes,
-                                                  keepdims=True))
-    variance = keras.ops.divide_no_nan(squares, count)
-    mean = keras.ops.squeeze(mean, tuple(axes))
-    variance = keras.ops.squeeze(variance, tuple(axes))
+        entries = functools.reduce(lambda a, b: a * b, [dims[a] for a in axes], 1)
+        count = keras.ops.ones_like(total) * keras.ops.cast(entries, x.dtype)
+        own = keras.ops.sum(keras.ops.square(x - keras.ops.divide_no_nan(total, count)),
+                            axes, keepdims=True)
+        epsilon = 0.0
+    else:  # Keras's masked formula
+        weights = keras.ops.broadcast_to(
+            keras.ops.expand_dims(keras.ops.cast(mask, x.dtype), -1), keras.ops.shape(x))
+        total = keras.ops.sum(x * weights, axes, keepdims=True)
+        count = keras.ops.sum(weights, axes, keepdims=True)
+        own = keras.ops.sum(
+            keras.ops.square((x - keras.ops.divide_no_nan(total, count)) * weights),
+            axes, keepdims=True)
+        epsilon = keras.backend.epsilon()
+    shape = keras.ops.shape(total)
+    parts = keras.ops.concatenate([keras.ops.reshape(p, (1, -1)) for p in (total, own, count)],
+                                  axis=0)
+    slot = keras.ops.one_hot(replica.index, replica.replicas, dtype=x.dtype)
+    gathered = weighted_sum(replica, slot[:, None, None] * parts[None])  # (replicas, 3, C)
+    totals, owns, counts = (gathered[:, i] for i in range(3))
+    everyone = keras.ops.sum(counts, axis=0) + epsilon
+    mean = keras.ops.divide_no_nan(keras.ops.sum(totals, axis=0), everyone)
+    squares = keras.ops.sum(owns + keras.ops.divide_no_nan(
+        keras.ops.square(totals - counts * mean), counts), axis=0)
+    variance = keras.ops.divide_no_nan(squares, everyone)
+    mean = keras.ops.squeeze(keras.ops.reshape(mean, shape), tuple(axes))
+    variance = keras.ops.squeeze(keras.ops.reshape(variance, shape), tuple(axes))
     return keras.ops.cast(mean, inputs.dtype), keras.ops.cast(variance, inputs.dtype)
+
+
+def _global_state(replica, variables, what="all-reduce of the metrics"):
+    """`(variable, value)` pairs of every replica's state for `variables`: summed ones
+    summed, averaged ones averaged (one all-reduce); None when none is shared."""
+    kinds = [getattr(v, "aggregation", None) for v in variables]
+    shared = [i for i, kind in enumerate(kinds) if kind in ("sum", "mean")]
+    if not shared:
+        return None
+    values = [keras.ops.convert_to_tensor(v.value) for v in variables]
+    reduced = replica.all_reduce([values[i] for i in shared], what)
+    for i, value in zip(shared, reduced):
+        values[i] = value / replica.replicas if kinds[i] == "mean" else value
+    return list(zip(variables, values))
 
 
 def global_result(replica, original, metric):
@@ -240,16 +272,24 @@ def global_result(replica, original, metric):
     callbacks (the progress bar, EarlyStopping) see one device's figures."""
     if _keras.backend.in_stateless_scope() or not metric.variables:
         return original(metric)
-    kinds = [getattr(v, "aggregation", None) for v in metric.variables]
-    shared = [i for i, kind in enumerate(kinds) if kind in ("sum", "mean")]
-    if not shared:
+    state = _global_state(replica, metric.variables)
+    if state is None:
         return original(metric)
-    values = [keras.ops.convert_to_tensor(v.value) for v in metric.variables]
-    reduced = replica.all_reduce([values[i] for i in shared], "all-reduce of the metrics")
-    for i, value in zip(shared, reduced):
-        values[i] = value / replica.replicas if kinds[i] == "mean" else value
-    with keras.StatelessScope(state_mapping=list(zip(metric.variables, values))):
+    with keras.StatelessScope(state_mapping=state):
         return original(metric)
+
+
+def metrics_result(replica, original, trainer):
+    """Keras's `get_metrics_result` (`original`, the logs of a step): every metric's
+    `result()` from every replica's state, read with one all-reduce for them all."""
+    if _keras.backend.in_stateless_scope():
+        return original(trainer)
+    variables = list({id(v): v for m in trainer.metrics for v in m.variables}.values())
+    state = _global_state(replica, variables) if variables else None
+    if state is None:
+        return original(trainer)
+    with keras.StatelessScope(state_mapping=state):
+        return original(trainer)
 
 
 def metric_classes():
@@ -263,11 +303,12 @@ def metric_classes():
     return list(dict.fromkeys(found))
 
 
-def table(step, call, random_module, draws):
+def table(step, call, random_module, draws, logs=None):
     """The rules as `installed` takes them, for an engine whose `step()` returns this
     replica's `Replica` inside a step (None elsewhere) and `call()` one for the call
     (metrics are read outside the step too). `random_module` is Keras's backend random
-    module, whose `draws` (and `dropout`) are patched."""
+    module, whose `draws` (and `dropout`) are patched. `logs()` (else `call()`) gives the
+    `Replica` that reads a step's logs, whose all-reduce may carry more (a stop flag)."""
     return [
         (loss_module, "reduce_values", reduce_values, step),
         (loss_module, "apply_mask", apply_mask, step),
@@ -277,6 +318,7 @@ def table(step, call, random_module, draws):
         *((random_module, name, random_draw, step) for name in draws),
         (random_module, "dropout", dropout, step),
         *((cls, "result", global_result, call) for cls in metric_classes()),
+        (base_trainer.Trainer, "get_metrics_result", metrics_result, logs or call),
     ]
 
 

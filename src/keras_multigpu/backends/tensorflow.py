@@ -47,7 +47,7 @@ from keras import tree
 
 from keras_multigpu import rules
 from keras_multigpu.backends import _tf_rules, _tf_workers
-from keras_multigpu.backends._tf_batches import _counts, _tagged, _unwrap
+from keras_multigpu.backends._tf_batches import _counts, _replica_id, _tagged, _unwrap
 from keras_multigpu.backends._tf_batches import tag as tag  # the seam's (backends.API)
 from keras_multigpu.backends._tf_batches import untag as untag
 from keras_multigpu.devices import (
@@ -289,7 +289,8 @@ def run_step(step, data, rows_out=False):
     replica = _tf_rules._replica
     previous = getattr(replica, "state", None), getattr(replica, "losses", None)
     replica.state = rules.Replica(*_counts(data), replicas=context.num_replicas_in_sync,
-                                  all_reduce=_tf_rules.all_reduce, traced=True)
+                                  all_reduce=_tf_rules.all_reduce, index=_replica_id(),
+                                  traced=True)
     replica.losses = {}  # this replica's `add_loss` values (see `_tf_rules._add_loss`)
     try:
         return step(untag(data))

@@ -11,11 +11,13 @@ collectives as their all-reduce:
 
     one device's value = sum over ranks r of (k_r / n) * value_r
 
-Gradients are weighed by k_r / n (`rules.weigh`) and all-reduced here (summed, one flat
-buffer per dtype) before the optimizer clips, accumulates or applies them, so a custom
-`train_step` with its own mean loss is exact. The rules module holds the rest: loss
-reductions, `Mean` updates, BatchNorm moments (whose gradients flow back through every
-rank's rows), batch-shaped draws and dropout, metric results.
+Gradients are weighed by k_r / n (`rules.weigh`) and all-reduced before the optimizer
+clips, accumulates or applies them, so a custom `train_step` with its own mean loss is
+exact: one flat buffer per dtype, at `apply`. The rules module
+holds the rest: loss reductions, `Mean` updates, BatchNorm moments (one all-reduce
+forward, one backward, whose gradients flow back through every rank's rows), batch-shaped
+draws and dropout, and the logs (every metric's result from one all-reduce, which also
+carries the ranks' Ctrl-C flags to the next step boundary).
 - `predict` all-gathers the rows: every rank returns every row, in order.
 
 The process rules (rank 0 alone writes Keras files, every rank takes rank 0's
@@ -24,6 +26,7 @@ random state and stops at the same step after a Ctrl-C) are
 """
 
 import contextlib
+import dataclasses
 import os
 import threading
 import warnings
@@ -34,7 +37,7 @@ import torch
 import torch.distributed as dist
 from keras import tree
 
-from keras_multigpu import launch, rules
+from keras_multigpu import interrupt, launch, rules
 from keras_multigpu._keras.torch import DRAWS
 from keras_multigpu._keras.torch import random as torch_random
 from keras_multigpu.backends._marker import tag, untag  # noqa: F401 (the seam's names)
@@ -218,7 +221,8 @@ def run_step(step, data, rows_out=False):
     k, start = _share(n, dist.get_world_size(), dist.get_rank())
     mine = tree.map_structure(lambda a: None if a is None else a[start:start + k], rows)
     previous = getattr(_replica, "state", None)
-    _replica.state = rules.Replica(k, n, start, dist.get_world_size(), _sum)
+    _replica.state = rules.Replica(k, n, start, dist.get_world_size(), _sum,
+                                   index=dist.get_rank())
     try:
         result = step(mine)
     finally:
@@ -245,6 +249,23 @@ def _call():
     if getattr(_installed, "engine", None) is None:
         return None
     return _step() or rules.Replica(None, None, None, dist.get_world_size(), _sum)
+
+
+def _logs():
+    """`_call()`'s `Replica` for a step's logs: the metrics' one all-reduce also sums every
+    process's stop flag (a Ctrl-C), which the next step boundary takes (`interrupt.agreed`)
+    instead of a store exchange of its own."""
+    replica = _call()
+    if replica is None:
+        return None
+
+    def all_reduce(values, what):
+        flag = torch.tensor(float(interrupt.requested()), dtype=values[0].dtype)
+        *summed, stop = _sum([*values, flag], what)
+        interrupt.agreed(stop > 0)
+        return summed
+
+    return dataclasses.replace(replica, all_reduce=all_reduce)
 
 
 def _apply(replica, original, self, grads, trainable_variables=None):
@@ -297,7 +318,7 @@ def local_metric_state(variables, values):
 def _rules_table():
     return [
         (keras.optimizers.Optimizer, "apply", _apply, _step),
-        *rules.table(_step, _call, torch_random, DRAWS),
+        *rules.table(_step, _call, torch_random, DRAWS, logs=_logs),
     ]
 
 
