@@ -13,7 +13,8 @@ collectives as their all-reduce:
 
 Gradients are weighed by k_r / n (`rules.weigh`) and all-reduced before the optimizer
 clips, accumulates or applies them, so a custom `train_step` with its own mean loss is
-exact: one flat buffer per dtype, at `apply`. The rules module
+exact: in DDP's buckets during the backward pass (`_torch_reducer`), or, for a step that
+hands `apply` other gradients than the backward pass left, at `apply`. The rules module
 holds the rest: loss reductions, `Mean` updates, BatchNorm moments (one all-reduce
 forward, one backward, whose gradients flow back through every rank's rows), batch-shaped
 draws and dropout, and the logs (every metric's result from one all-reduce, which also
@@ -48,6 +49,7 @@ from keras_multigpu.backends._torch_group import (
     _flat_all_reduce,
     _join,
 )
+from keras_multigpu.backends._torch_reducer import Reducer
 from keras_multigpu.devices import Device, cpu_device_count
 
 # What this engine does beyond the seam's common names (see `keras_multigpu.backends`).
@@ -221,12 +223,17 @@ def run_step(step, data, rows_out=False):
     k, start = _share(n, dist.get_world_size(), dist.get_rank())
     mine = tree.map_structure(lambda a: None if a is None else a[start:start + k], rows)
     previous = getattr(_replica, "state", None)
-    _replica.state = rules.Replica(k, n, start, dist.get_world_size(), _sum,
-                                   index=dist.get_rank())
+    _replica.state = replica = rules.Replica(k, n, start, dist.get_world_size(), _sum,
+                                             index=dist.get_rank())
+    reducers = list(getattr(_installed, "reducers", {}).values())
+    for reducer in reducers:
+        reducer.begin(replica)
     try:
         result = step(mine)
     finally:
         _replica.state = previous
+        for reducer in reducers:
+            reducer.finish()
     return _gather_rows(result, k, n) if rows_out else result
 
 
@@ -270,14 +277,23 @@ def _logs():
 
 def _apply(replica, original, self, grads, trainable_variables=None):
     """The gradients weighed by k / n (`rules.weigh`) and all-reduced, then the optimizer's
-    own apply."""
-    present = [i for i, g in enumerate(grads) if g is not None]
-    if present:
-        weighed = [rules.weigh(replica, grads[i]) for i in present]
-        reduced = _flat_all_reduce(weighed, "all-reduce of the gradients")
-        grads = list(grads)
-        for i, g in zip(present, reduced):
-            grads[i] = g
+    own apply. The optimizer's first step all-reduces them here, and sets up a `Reducer`
+    whose buckets later steps all-reduce during their backward pass."""
+    reducers = _installed.reducers
+    reducer = reducers.get(id(self))
+    reduced = None if reducer is None else reducer.take(grads, trainable_variables)
+    if reduced is not None:
+        grads = reduced
+    else:
+        present = [i for i, g in enumerate(grads) if g is not None]
+        if present:
+            weighed = [rules.weigh(replica, grads[i]) for i in present]
+            summed = _flat_all_reduce(weighed, "all-reduce of the gradients")
+            grads = list(grads)
+            for i, g in zip(present, summed):
+                grads[i] = g
+        if reducer is None and trainable_variables is not None:
+            reducers[id(self)] = Reducer(trainable_variables, _collective)
     # The optimizer's own step then runs outside the rules (it may call `apply` again).
     state, _replica.state = _replica.state, None
     try:
@@ -336,9 +352,11 @@ def scope(distribution):
     if not _active(distribution) or getattr(_installed, "engine", None) is not None:
         yield
         return
-    _installed.engine = distribution
+    _installed.engine, _installed.reducers = distribution, {}
     try:
         with rules.installed(_rules_table()):
             yield
     finally:
-        _installed.engine = None
+        for reducer in _installed.reducers.values():
+            reducer.end()
+        _installed.engine, _installed.reducers = None, {}

@@ -1,0 +1,129 @@
+"""The torch engine's gradient all-reduce, overlapped with the backward pass, as DDP's is.
+
+A `Reducer` splits an optimizer's variables into DDP's buckets (torch's own assignment:
+about 25 MiB each, a small last one, in reverse order, so that the first to fill is the
+last layer's). A hook on each parameter (`register_post_accumulate_grad_hook`) notes its
+gradient once the backward pass has accumulated it; a bucket whose gradients are all
+there is weighed by k / n (`rules.weigh`) and all-reduced asynchronously while the
+backward pass goes on, buckets in the same order on every process. `Optimizer.apply`
+then waits for them (`take`) and applies the sums.
+
+The overlap is for Keras's own step, which hands `apply` the parameters' own `.grad`
+tensors. Where a step does anything else (gradients of another list of variables,
+gradients changed in place after the backward pass, a second backward pass before
+`apply`), `take` says so, and the engine all-reduces what `apply` received after the
+backward pass; the reducer then stays off for the rest of the call. Every process runs
+the same step, so every process makes the same choices, and they launch the same
+collectives in the same order.
+"""
+
+import torch
+import torch.distributed as dist
+
+from keras_multigpu import rules
+
+# DDP's bucket sizes (`DistributedDataParallel(bucket_cap_mb=25)`, and its first bucket).
+BUCKET_BYTES = 25 * 1024 * 1024
+FIRST_BUCKET_BYTES = dist._DEFAULT_FIRST_BUCKET_BYTES
+
+
+class Reducer:
+    """Buckets of `variables`' gradients, all-reduced as the backward pass fills them."""
+
+    def __init__(self, variables, collective):
+        self.variables = list(variables)
+        self.collective = collective  # `_collective(what, function, ...)`: named errors
+        params = [v.value for v in self.variables]
+        assignment, _ = dist._compute_bucket_assignment_by_size(
+            params, [FIRST_BUCKET_BYTES, BUCKET_BYTES], [False] * len(params))
+        self.buckets = list(reversed(assignment))  # lists of indices into `variables`
+        self.place = {i: b for b, bucket in enumerate(self.buckets) for i in bucket}
+        self.handles = [p.register_post_accumulate_grad_hook(self._hook(i))
+                        for i, p in enumerate(params)]
+        self.on = True
+        self.replica = None
+        self._reset()
+
+    def _reset(self):
+        self.seen = {}  # variable index: (its .grad tensor, that tensor's version)
+        self.works = []  # (bucket, flat buffer, async work), in launch order
+        self.twice = False
+
+    def begin(self, replica):
+        """A step starts (`replica`: its rows); its backward pass fills the buckets."""
+        self.replica = replica
+
+    def finish(self):
+        """The step has ended: nothing is left in flight, and the hooks sleep till the next."""
+        self._drain()
+        self.replica = None
+
+    def end(self):
+        """Removes the hooks (the end of a call)."""
+        self.finish()
+        for handle in self.handles:
+            handle.remove()
+
+    def _drain(self):
+        for _, _, work in self.works:
+            self.collective("all-reduce of the gradients", work.wait)
+        self._reset()
+
+    def _hook(self, index):
+        def hook(param):
+            if not self.on or self.replica is None:
+                return
+            if index in self.seen:
+                self.twice = True  # a second backward pass: `take` will decline
+                return
+            self.seen[index] = (param.grad, param.grad._version)
+            self._launch_ready()
+        return hook
+
+    def _launch_ready(self, everything=False):
+        """Launches the next buckets, in order, while each is complete (`everything`: the
+        rest, with zeros for gradients that never came)."""
+        while len(self.works) < len(self.buckets):
+            b = len(self.works)
+            bucket = self.buckets[b]
+            if not everything and any(i not in self.seen for i in bucket):
+                return
+            parts = [self.seen[i][0].reshape(-1) if i in self.seen else
+                     torch.zeros(self.variables[i].value.numel(),
+                                 dtype=self.variables[i].value.dtype,
+                                 device=self.variables[i].value.device)
+                     for i in bucket]
+            flat = rules.weigh(self.replica, torch.cat(parts))
+            work = self.collective("all-reduce of the gradients", dist.all_reduce, flat,
+                                   async_op=True)
+            self.works.append((b, flat, work))
+
+    def take(self, grads, variables):
+        """The all-reduced `grads` for `apply(grads, variables)`, or None where they are not
+        the gradients the hooks saw (the caller all-reduces them itself)."""
+        ours = (self.on and not self.twice and self.replica is not None
+                and variables is not None and len(variables) == len(self.variables)
+                and all(a is b for a, b in zip(variables, self.variables)))
+        if ours:
+            for i, g in enumerate(grads):
+                noted = self.seen.get(i)
+                if (g is None) != (noted is None) or (
+                        g is not None and (g is not noted[0] or g._version != noted[1])):
+                    ours = False
+                    break
+        if not ours:
+            self.on = False
+            self._drain()
+            return None
+        self._launch_ready(everything=True)
+        reduced = list(grads)
+        for b, flat, work in self.works:
+            self.collective("all-reduce of the gradients", work.wait)
+            offset = 0
+            for i in self.buckets[b]:
+                size = self.variables[i].value.numel()
+                if grads[i] is not None:
+                    reduced[i] = flat[offset:offset + size].view_as(grads[i])
+                offset += size
+        self._reset()
+        return reduced
