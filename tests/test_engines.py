@@ -399,6 +399,75 @@ def test_own_train_step_with_its_own_mean(gpus):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=ATOL)
 
 
+class HalvedGradients(OwnStep):
+    """Keras's torch step, with every gradient halved in place between the backward pass
+    and `apply` (linear, so one device halves the same sums)."""
+
+    def train_step(self, data):
+        x, y = data
+        self.zero_grad()
+        loss = self.compute_loss(y=y, y_pred=self(x, training=True))
+        loss.backward()
+        for v in self.trainable_weights:
+            v.value.grad.mul_(0.5)
+        self.optimizer.apply([v.value.grad for v in self.trainable_weights],
+                             self.trainable_weights)
+        self.tracker.update_state(loss)
+        return {"own_loss": self.tracker.result()}
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="torch's engine reduces gradients in DDP's "
+                    "buckets; the other engines all-reduce inside a traced step")
+@pytest.mark.parametrize("gpus", [2])
+@pytest.mark.parametrize("step", ["keras", "changed_in_place"])
+def test_the_gradient_all_reduce_overlaps_the_backward_pass(gpus, step):
+    """Keras's own step: the first step all-reduces the gradients at `apply`, every later
+    one in buckets launched during the backward pass. A step that changes the gradients
+    after the backward pass is all-reduced at `apply` throughout. Both equal one device."""
+    import torch.distributed as dist
+
+    from keras_multigpu.backends import torch as engine
+
+    launched, at_apply = [], []
+    all_reduce, flat_all_reduce = dist.all_reduce, engine._flat_all_reduce
+
+    def counted_all_reduce(*args, **kwargs):
+        launched.append(bool(kwargs.get("async_op")))
+        return all_reduce(*args, **kwargs)
+
+    def counted_flat(tensors, what, *args):
+        at_apply.append(what == "all-reduce of the gradients")
+        return flat_all_reduce(tensors, what, *args)
+
+    x, y = _data(99)
+    build = {"keras": _bn_model, "changed_in_place": HalvedGradients}[step]
+    results = []
+    for g in (None, gpus):
+        keras.utils.set_random_seed(0)
+        model = build()
+        target = model if g is None else kmg.multi_gpu_model(model, gpus=g)
+        if step == "keras":
+            _compile(target)
+        else:
+            target.compile(optimizer=keras.optimizers.Adam(0.01))
+        dist.all_reduce, engine._flat_all_reduce = counted_all_reduce, counted_flat
+        try:
+            history = target.fit(x, y, batch_size=25, epochs=2, verbose=0, shuffle=False)
+        finally:
+            dist.all_reduce, engine._flat_all_reduce = all_reduce, flat_all_reduce
+        results.append((model.get_weights(), history.history))
+    steps = 2 * 4
+    if step == "keras":
+        assert sum(at_apply) == 1 and sum(launched) == steps - 1  # one bucket a step
+    else:
+        assert sum(at_apply) == steps and sum(launched) == 1  # declined after the first
+    (ref_w, ref_h), (w, h) = results
+    for key in ref_h:
+        np.testing.assert_allclose(h[key], ref_h[key], rtol=RTOL, atol=ATOL, err_msg=key)
+    for a, b in zip(ref_w, w):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=ATOL)
+
+
 @pytest.mark.ranks(3)
 def test_callbacks_checkpoint_and_early_stopping(tmp_path):
     path = str(tmp_path / "best.keras")
