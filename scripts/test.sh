@@ -32,6 +32,8 @@ export JAX_COMPILATION_CACHE_DIR="$logs/jax-cache" JAX_PERSISTENT_CACHE_MIN_COMP
 next_wheel=$(ls ../shared/keras-next/keras-*.whl 2>/dev/null | head -1 || true)
 if [ -n "$next_wheel" ]; then
   .venv/bin/python -m pip install -q --no-deps --target "$logs/keras-next" "$next_wheel"
+  # The bench's keras_dp_torch peer (tests/test_bench.py) runs from there.
+  export KERAS_MULTIGPU_NEXT_KERAS="$logs/keras-next"
 fi
 # Of test_semantics, its shuffling tests (the whole of it would add a minute to CI).
 next_shuffling="tests/test_semantics.py::test_shuffling_equals_keras_under_a_seed

@@ -3,11 +3,12 @@
 import importlib.util
 import json
 import math
+import os
 
 import pytest
 
 from keras_multigpu import _xla, bench, cli
-from keras_multigpu.bench import scaling, worker
+from keras_multigpu.bench import scaling, setups, worker
 
 pytestmark = pytest.mark.slow  # several processes or whole runs: not in the fast loop
 
@@ -85,19 +86,33 @@ def test_torch_setups_run_one_process_per_device():
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None,
                     reason="the PyTorch setups need torch, which is not installed")
 def test_tiny_torch_run(tmp_path):
+    """Ours and the torch peers; the next Keras's DataParallel runs where
+    KERAS_MULTIGPU_NEXT_KERAS names it (scripts/test.sh does), else it says what it needs."""
     code = cli.main(["bench", "--setups", "plain_torch-1,ours_torch-1,ours_torch-2,ddp_torch-2,"
-                     "independent_torch-2", "--model", "dense", "--samples", "256", "--epochs",
-                     "2", "--rounds", "1", "--batch-per-device", "32", "--fit-calls", "1",
-                     "--output", str(tmp_path)])
+                     "keras_dp_torch-2,independent_torch-2", "--model", "dense", "--samples",
+                     "256", "--epochs", "2", "--rounds", "1", "--batch-per-device", "32",
+                     "--fit-calls", "1", "--output", str(tmp_path)])
     assert code == 0
     results = json.loads((tmp_path / "results.json").read_text())
-    assert set(results["table"]) == {"plain_torch-1", "ours_torch-1", "ours_torch-2",
-                                     "ddp_torch-2", "independent_torch-2"}
+    ran = {"plain_torch-1", "ours_torch-1", "ours_torch-2", "ddp_torch-2", "independent_torch-2"}
+    if os.environ.get(setups.NEXT_KERAS_ENV):
+        ran.add("keras_dp_torch-2")
+        assert "ours_torch-2 / keras_dp_torch-2" in results["ratios"]
+    else:
+        assert "needs a Keras with a torch DataParallel" in results["skipped"]["keras_dp_torch-2"]
+    assert set(results["table"]) == ran
     raw = results["raw"]["ours_torch-2"][0]
     assert raw["global_batch"] == 64 and len(raw["processes"]) == 2
     assert {"ours_torch-1 / plain_torch-1", "ours_torch-2 / ours_torch-1",
             "ours_torch-2 / ddp_torch-2", "ours_torch-2 / independent_torch-2"} <= set(
         results["ratios"])
+    # Collectives per step, where a process group runs: ours (the gradients' bucket and the
+    # logs, at least) and DDP's buckets; none for plain Keras.
+    table = results["table"]
+    assert table["ours_torch-2"]["collectives_per_step"]["median"] >= 2
+    assert table["ddp_torch-2"]["collectives_per_step"]["median"] >= 1
+    assert table["ours_torch-2"]["collective_kb_per_step"]["median"] > 0
+    assert table["plain_torch-1"]["collectives_per_step"] is None
     # Rank 0's verdict, from every process's figures.
     assert any(v.startswith("ours_torch-2: ") and "input-bound: data " in v
                for v in results["verdicts"])

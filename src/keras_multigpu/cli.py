@@ -253,8 +253,9 @@ def build_parser():
                             "(default: all at 1..--devices)")
     bench.add_argument("--devices", type=_positive_int, default=None,
                        help="largest device count (default: all GPUs, or 2 virtual CPUs)")
-    bench.add_argument("--model", choices=["minigooglenet", "dense"], default="minigooglenet",
-                       help="the model timed")
+    bench.add_argument("--model", choices=["minigooglenet", "minigooglenet_nobn", "dense"],
+                       default="minigooglenet",
+                       help="the model timed (minigooglenet_nobn: without BatchNormalization)")
     bench.add_argument("--width", type=_positive_float, default=0.25,
                        help="MiniGoogLeNet width multiplier")
     bench.add_argument("--samples", type=_positive_int, default=2048,

@@ -156,6 +156,7 @@ def _ratios(table, figure):
         if row["engine"] == "ours_torch" and row["devices"] > 1:
             ratio(name, "ours_torch-1")
             ratio(name, f"ddp_torch-{row['devices']}")
+            ratio(name, f"keras_dp_torch-{row['devices']}")
             ratio(name, f"independent_torch-{row['devices']}")
     return ratios
 

@@ -5,7 +5,8 @@ import textwrap
 
 FIGURES = ("images_per_second", "ms_per_step", "compiled_step_ms", "outside_step_ms",
            "compile_seconds", "peak_host_memory_mb", "fit_call_ms", "fit_call_images_per_second",
-           "fit_call_outside_epochs_ms", "fit_call_compiles")
+           "fit_call_outside_epochs_ms", "fit_call_compiles", "collectives_per_step",
+           "collective_kb_per_step", "store_exchanges_per_step")
 
 
 def format_table(results):
@@ -24,6 +25,7 @@ def format_table(results):
         last = errors[-1].strip().splitlines()[-1][:150]
         lines.append(f"{name:16} failed in {len(errors)} round(s); last: {last}")
     lines += _format_fit_calls(results)
+    lines += _format_collectives(results)
     lines.append("")
     lines += [f"{name:32} {value:.3f}" for name, value in results["ratios"].items()]
     if results.get("fit_call_ratios"):
@@ -93,6 +95,24 @@ def _host_table(rows, extra=False):
             line += (f"{r['step_ms_for_90_percent']:>12.1f} ms"
                      f"{'-' if published is None else _percent(published):>11}")
         lines.append(line)
+    return lines
+
+
+def _format_collectives(results):
+    """The per-step communication of the setups that run a torch process group."""
+    rows = {name: row for name, row in results["table"].items()
+            if row.get("collectives_per_step")}
+    if not rows:
+        return []
+    lines = ["", "Collectives per step (torch.distributed, counted in rank 0 over the first fit "
+                 "call; store: stop-flag exchanges through the process group's store):",
+             f"{'setup':16}{'dev':>4}{'collectives':>13}{'KiB':>10}{'store':>8}"]
+    for name, row in rows.items():
+        store = row["store_exchanges_per_step"]
+        lines.append(f"{name:16}{row['devices']:>4}"
+                     f"{row['collectives_per_step']['median']:>13.2f}"
+                     f"{row['collective_kb_per_step']['median']:>10.1f}"
+                     f"{'-' if store is None else format(store['median'], '.2f'):>8}")
     return lines
 
 

@@ -13,6 +13,9 @@ from keras_multigpu import _xla
 from keras_multigpu.devices import CPU_DEVICES_ENV
 
 XLA_DEVICE_FLAG = _xla.DEVICE_COUNT_FLAG
+# A folder holding a Keras with a torch `DataParallel` (the next Keras: `pip install
+# --no-deps --target DIR ../shared/keras-next/keras-*.whl`), for keras_dp_torch alone.
+NEXT_KERAS_ENV = "KERAS_MULTIGPU_NEXT_KERAS"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,8 +32,10 @@ class Setup:
             on the TensorFlow backend (as "mirrored" is); "ours_torch",
             "plain_torch" and "independent_torch" on PyTorch, beside
             "ddp_torch": a hand-written DistributedDataParallel loop over the
-            Keras model (the keras-io guide's approach). ours_torch and
-            ddp_torch run one process per device (`RANKED`).
+            Keras model (the keras-io guide's approach), and "keras_dp_torch":
+            the next Keras's own torch `DataParallel` (DDP inside Keras's torch
+            trainer), from the Keras that NEXT_KERAS_ENV names. ours_torch,
+            ddp_torch and keras_dp_torch run one process per device (`RANKED`).
         devices: replicas; the global batch is devices x batch per device.
     """
 
@@ -70,6 +75,9 @@ class Setup:
         if self.backend == "torch" and virtual and self.processes > 1:
             # The processes share the cores alike, ours, DDP's and the independent ones.
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.processes))
+        if self.engine == "keras_dp_torch":
+            env["PYTHONPATH"] = os.pathsep.join(
+                p for p in (base[NEXT_KERAS_ENV], base.get("PYTHONPATH")) if p)
         if self.engine in RANKED:
             env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                         "RANK": str(process), "WORLD_SIZE": str(self.devices),
@@ -202,6 +210,33 @@ def _train_ddp(setup, build, fit):
     return fit(_DDPTrainer(build()))
 
 
+class _Shard:
+    """A Keras model that fits its process's contiguous shard of the data, with the
+    per-process batch: how `DataParallel` is fed arrays when Keras does not shard them."""
+
+    def __init__(self, model, rank, world):
+        self.model, self.rank, self.world = model, rank, world
+
+    def count_params(self):
+        return self.model.count_params()
+
+    def fit(self, x, y, batch_size, **kwargs):
+        per = len(x) // self.world
+        rows = slice(self.rank * per, (self.rank + 1) * per)
+        return self.model.fit(x[rows], y[rows], batch_size=batch_size // self.world, **kwargs)
+
+
+def _train_keras_dp(setup, build, fit):
+    import keras
+    import torch.distributed as dist
+
+    keras.distribution.initialize()  # the process group, from torchrun's variables
+    distribution = keras.distribution.DataParallel()
+    distribution.auto_shard_dataset = False  # arrays: each process is given its shard
+    keras.distribution.set_distribution(distribution)
+    return fit(_Shard(_compile(build()), dist.get_rank(), dist.get_world_size()))
+
+
 TRAIN = {
     "plain": _train_plain,
     "independent": _train_plain,  # each of its processes is plain-1
@@ -215,10 +250,13 @@ TRAIN = {
     "independent_torch": _train_plain,  # each of its processes is plain_torch-1
     "ours_torch": _train_ours,
     "ddp_torch": _train_ddp,
+    "keras_dp_torch": _train_keras_dp,
 }
 TENSORFLOW_ENGINES = ("mirrored", "plain_tf", "independent_tf", "ours_tf")
-TORCH_ENGINES = ("plain_torch", "independent_torch", "ours_torch", "ddp_torch")
-RANKED = ("ours_torch", "ddp_torch")  # one process per device, joined by torch.distributed
+TORCH_ENGINES = ("plain_torch", "independent_torch", "ours_torch", "ddp_torch",
+                 "keras_dp_torch")
+# One process per device, joined by torch.distributed.
+RANKED = ("ours_torch", "ddp_torch", "keras_dp_torch")
 
 
 def available(setup):
@@ -229,6 +267,12 @@ def available(setup):
         return "tensorflow is not installed (pip install tensorflow-cpu)"
     if setup.backend == "torch" and importlib.util.find_spec("torch") is None:
         return "torch is not installed (pip install torch)"
+    if setup.engine == "keras_dp_torch":
+        folder = os.environ.get(NEXT_KERAS_ENV)
+        if not folder or not os.path.isfile(os.path.join(folder, "keras", "__init__.py")):
+            return (f"needs a Keras with a torch DataParallel: set {NEXT_KERAS_ENV} to a folder "
+                    "made by `pip install --no-deps --target DIR "
+                    f"../shared/keras-next/keras-*.whl` (received {folder!r})")
     return None
 
 
@@ -242,7 +286,7 @@ def default_setups(max_devices):
     for n in counts[1:]:
         setups += [Setup("dataparallel", n), Setup("mirrored", n), Setup("independent", n),
                    Setup("independent_tf", n), Setup("ddp_torch", n),
-                   Setup("independent_torch", n)]
+                   Setup("keras_dp_torch", n), Setup("independent_torch", n)]
     return setups
 
 

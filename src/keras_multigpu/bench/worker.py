@@ -33,11 +33,14 @@ def build_model(name, width):
 
     if name == "minigooglenet":
         return models.mini_googlenet(width=width)
+    if name == "minigooglenet_nobn":  # the same convolutions, no statistics across the batch
+        return models.mini_googlenet(width=width, batchnorm=False)
     if name == "dense":  # per-step overhead: almost no compute per step
         return keras.Sequential([keras.Input((32, 32, 3)), keras.layers.Flatten(),
                                  keras.layers.Dense(64, activation="relu"),
                                  keras.layers.Dense(10, activation="softmax")])
-    raise ValueError(f"model must be minigooglenet or dense. Received: model={name!r}.")
+    raise ValueError("model must be minigooglenet, minigooglenet_nobn or dense. "
+                     f"Received: model={name!r}.")
 
 
 def compiled_step_seconds(model, x, y, repeats):
@@ -95,6 +98,69 @@ class CompileCounter:
     @contextlib.contextmanager
     def counting(self):
         self.count, self.seconds, self.on = 0, 0.0, True
+        try:
+            yield self
+        finally:
+            self.on = False
+
+
+class CollectiveCounter:
+    """Counts torch.distributed's collectives, and the bytes they carry, while it is on.
+
+    A wrapper counts each call of `torch.distributed.all_reduce` and its kin. Ours calls
+    them from Python; DistributedDataParallel's reducer calls its own from C++, so its
+    buckets are handed to DDP's default communication hook (`default_hooks.allreduce_hook`,
+    the Python form of what DDP runs without one), whose `all_reduce` the wrapper counts.
+    The stop flag's exchanges through the process group's store are counted apart.
+    """
+
+    NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "barrier",
+             "reduce_scatter_tensor")
+
+    def __init__(self):
+        import torch.distributed as dist
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        from torch.nn.parallel import DistributedDataParallel
+
+        from keras_multigpu import processes
+
+        self.count = self.bytes = self.store = 0
+        self.on = False
+        for name in self.NAMES:
+            setattr(dist, name, self._counted(getattr(dist, name)))
+        processes.exchange = self._counted_store(processes.exchange)
+        build = DistributedDataParallel.__init__
+
+        def init(ddp, *args, **kwargs):
+            build(ddp, *args, **kwargs)
+            ddp.register_comm_hook(ddp.process_group, default_hooks.allreduce_hook)
+
+        DistributedDataParallel.__init__ = init
+
+    def _add(self, tensor):
+        if self.on:
+            self.count += 1
+            if tensor is not None and hasattr(tensor, "element_size"):
+                self.bytes += tensor.numel() * tensor.element_size()
+
+    def _counted(self, function):
+        def counted(*args, **kwargs):
+            tensor = next((a for a in args if hasattr(a, "element_size")), None)
+            self._add(tensor)
+            return function(*args, **kwargs)
+        return counted
+
+    def _counted_store(self, function):
+        def counted(*args, **kwargs):
+            if self.on:
+                self.store += 1
+            return function(*args, **kwargs)
+        return counted
+
+    @contextlib.contextmanager
+    def counting(self):
+        self.count = self.bytes = self.store = 0
+        self.on = True
         try:
             yield self
         finally:
@@ -163,9 +229,11 @@ def measure(spec):
     y = keras.utils.to_categorical(rng.integers(0, 10, samples), 10)
     fit_calls, fit_epochs = spec.get("fit_calls", 0), spec.get("fit_epochs", 1)
     compiles = CompileCounter() if setup.backend == "jax" else None
+    collectives = CollectiveCounter() if setup.engine in setups.RANKED else None
 
     def fit(model):
-        with tempfile.TemporaryDirectory() as folder:  # the verdict is kept, not the files
+        counting = contextlib.nullcontext() if collectives is None else collectives.counting()
+        with tempfile.TemporaryDirectory() as folder, counting:  # the verdict is kept
             watch = DeviceMonitor(folder)
             history = model.fit(x, y, batch_size=batch, epochs=1 + spec["epochs"],
                                 shuffle=False, verbose=0, callbacks=[EpochStats(samples), watch])
@@ -186,6 +254,13 @@ def measure(spec):
     setups.TRAIN[setup.engine](setup, lambda: build_model(spec["model"], spec["width"]), fit)
     steady = statistics.median(fit.seconds[1:])
     wall_step = steady / steps
+    # Per step of the first fit call (its 1 + epochs epochs), what it starts and ends with
+    # included; None where the setup runs no torch.distributed process group.
+    fit_steps = (1 + spec["epochs"]) * steps
+    per_step = {} if collectives is None else {
+        "collectives_per_step": collectives.count / fit_steps,
+        "collective_kb_per_step": collectives.bytes / fit_steps / 1024,
+        "store_exchanges_per_step": collectives.store / fit_steps}
     return {
         "setup": setup.name, "engine": setup.engine, "devices": setup.devices,
         "global_batch": batch, "samples": samples, "steps_per_epoch": steps,
@@ -201,6 +276,8 @@ def measure(spec):
         "peak_host_memory_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "parameters": int(fit.params),
         "monitor": fit.monitor,
+        "collectives_per_step": None, "collective_kb_per_step": None,
+        "store_exchanges_per_step": None, **per_step,
     }
 
 

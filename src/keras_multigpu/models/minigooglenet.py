@@ -46,29 +46,32 @@ def _check_num_classes(num_classes):
     return int(num_classes)
 
 
-def _conv(x, filters, kernel, strides=1, padding="same"):
-    """Conv module: Conv2D -> BatchNormalization -> ReLU."""
+def _conv(x, filters, kernel, strides=1, padding="same", batchnorm=True):
+    """Conv module: Conv2D -> BatchNormalization -> ReLU (without BatchNormalization, the
+    Conv2D has a bias)."""
     x = layers.Conv2D(filters, kernel, strides=strides, padding=padding)(x)
-    x = layers.BatchNormalization(axis=-1)(x)
+    if batchnorm:
+        x = layers.BatchNormalization(axis=-1)(x)
     return layers.Activation("relu")(x)
 
 
-def _inception(x, k1x1, k3x3):
+def _inception(x, k1x1, k3x3, batchnorm=True):
     """Inception module: 1x1 and 3x3 conv modules side by side, concatenated."""
-    a = _conv(x, k1x1, 1)
-    b = _conv(x, k3x3, 3)
+    a = _conv(x, k1x1, 1, batchnorm=batchnorm)
+    b = _conv(x, k3x3, 3, batchnorm=batchnorm)
     return layers.Concatenate(axis=-1)([a, b])
 
 
-def _downsample(x, k):
+def _downsample(x, k, batchnorm=True):
     """Downsample module: strided 3x3 conv module beside 3x3 max-pooling."""
-    a = _conv(x, k, 3, strides=2, padding="valid")
+    a = _conv(x, k, 3, strides=2, padding="valid", batchnorm=batchnorm)
     b = layers.MaxPooling2D(pool_size=3, strides=2)(x)
     return layers.Concatenate(axis=-1)([a, b])
 
 
 def mini_googlenet(
-    input_shape=(32, 32, 3), num_classes=10, width=1.0, dropout=0.5, name="mini_googlenet"
+    input_shape=(32, 32, 3), num_classes=10, width=1.0, dropout=0.5, name="mini_googlenet",
+    batchnorm=True,
 ):
     """Builds MiniGoogLeNet, the small Inception network of Zhang et al. (2017).
 
@@ -90,6 +93,8 @@ def mini_googlenet(
             a positive finite number.
         dropout: Dropout rate before the classifier, in ``[0, 1)``.
         name: Model name.
+        batchnorm: False leaves out every BatchNormalization layer (the benchmarks'
+            model whose step has no statistics across the batch).
 
     Returns:
         An uncompiled functional ``keras.Model`` that outputs class probabilities.
@@ -114,18 +119,19 @@ def mini_googlenet(
     def k(filters):
         return max(1, round(filters * width))
 
+    bn = bool(batchnorm)
     inputs = keras.Input(shape=input_shape)
-    x = _conv(inputs, k(96), 3)
-    x = _inception(x, k(32), k(32))
-    x = _inception(x, k(32), k(48))
-    x = _downsample(x, k(80))
-    x = _inception(x, k(112), k(48))
-    x = _inception(x, k(96), k(64))
-    x = _inception(x, k(80), k(80))
-    x = _inception(x, k(48), k(96))
-    x = _downsample(x, k(96))
-    x = _inception(x, k(176), k(160))
-    x = _inception(x, k(176), k(160))
+    x = _conv(inputs, k(96), 3, batchnorm=bn)
+    x = _inception(x, k(32), k(32), bn)
+    x = _inception(x, k(32), k(48), bn)
+    x = _downsample(x, k(80), bn)
+    x = _inception(x, k(112), k(48), bn)
+    x = _inception(x, k(96), k(64), bn)
+    x = _inception(x, k(80), k(80), bn)
+    x = _inception(x, k(48), k(96), bn)
+    x = _downsample(x, k(96), bn)
+    x = _inception(x, k(176), k(160), bn)
+    x = _inception(x, k(176), k(160), bn)
     x = layers.AveragePooling2D(pool_size=7)(x)
     x = layers.Dropout(float(dropout))(x)
     x = layers.Flatten()(x)
@@ -144,6 +150,8 @@ def small_convnet(input_shape=(32, 32, 3), num_classes=10, name="small_convnet")
         input_shape: ``(height, width, channels)``, height and width at least 4.
         num_classes: Number of output classes (positive int).
         name: Model name.
+        batchnorm: False leaves out every BatchNormalization layer (the benchmarks'
+            model whose step has no statistics across the batch).
 
     Returns:
         An uncompiled functional ``keras.Model`` that outputs class probabilities.
