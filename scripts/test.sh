@@ -9,7 +9,7 @@
 #   (tests/test_multihost.py) and the benchmark harness's (tests/test_bench.py), the
 #   launcher's own tests (tests/test_launch.py, on JAX) and the next Keras's exactness
 #   tests on torch.
-# - Stream 2: the behaviour suite on TensorFlow and on PyTorch (whose multi-device tests
+# - Stream 2: the behaviour suite on TensorFlow (two pytest processes) and on PyTorch (whose multi-device tests
 #   fork one gloo process per device): the rule units, the engine contract, the real Keras
 #   programs, semantics, parallel, errors, inputs, saving, callbacks and the checkpoint's
 #   in-process tests (its killed runs start each engine in the JAX run), with TensorFlow's
@@ -75,12 +75,16 @@ status=0
 # The checkpoint's in-process tests: its killed runs start every engine from the JAX run.
 checkpoint="tests/test_checkpoint.py --deselect tests/test_checkpoint.py::test_a_run_killed
   --deselect tests/test_checkpoint.py::test_a_ctrl_c"
-behaviour="tests/test_rules.py tests/test_engines.py tests/test_programs.py
-  tests/test_semantics.py tests/test_parallel.py tests/test_errors.py tests/test_inputs.py
-  tests/test_saving.py tests/test_callbacks.py $checkpoint"
-# TensorFlow's workers join at import, before its runtime starts: their test runs there.
-run tensorflow tensorflow $behaviour tests/test_multihost_tf.py || status=1
-run torch torch $behaviour || status=1
+contract="tests/test_rules.py tests/test_engines.py tests/test_programs.py"
+behaviour="tests/test_semantics.py tests/test_parallel.py tests/test_errors.py
+  tests/test_inputs.py tests/test_saving.py tests/test_callbacks.py $checkpoint"
+# TensorFlow's in two processes: late in one long process, one test of test_callbacks took
+# 134 to 281 s (6 s alone; its stack: tf.function tracing a dataset iterator) in three of
+# the last runs. TensorFlow's workers join at import, before its runtime starts: their
+# test runs there.
+run tensorflow tensorflow $contract || status=1
+run tensorflow-behaviour tensorflow $behaviour tests/test_multihost_tf.py || status=1
+run torch torch $contract $behaviour || status=1
 wait "$first" || status=1
 echo "== stream 1: JAX, the next Keras, torch across machines, the launcher"
 cat "$logs/stream1"
