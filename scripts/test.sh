@@ -9,8 +9,8 @@
 #   (tests/test_multihost.py) and the benchmark harness's (tests/test_bench.py), the
 #   launcher's own tests (tests/test_launch.py, on JAX) and the next Keras's exactness
 #   tests on torch.
-# - Stream 2: the behaviour suite on TensorFlow (two pytest processes) and on PyTorch (whose multi-device tests
-#   fork one gloo process per device): the rule units, the engine contract, the real Keras
+# - Stream 2: the behaviour suite on TensorFlow (two pytest processes) and on PyTorch
+#   (whose multi-device tests fork one gloo process per device): the rule units, the engine contract, the real Keras
 #   programs, semantics, parallel, errors, inputs, saving, callbacks and the checkpoint's
 #   in-process tests (its killed runs start each engine in the JAX run), with TensorFlow's
 #   several-worker tests (tests/test_multihost_tf.py).
