@@ -416,6 +416,51 @@ class HalvedGradients(OwnStep):
         return {"own_loss": self.tracker.result()}
 
 
+class FailsOnce(OwnStep):
+    """Keras's torch step, raising once after its backward pass has launched its buckets."""
+
+    fail_at = 2
+
+    def train_step(self, data):
+        x, y = data
+        self.zero_grad()
+        loss = self.compute_loss(y=y, y_pred=self(x, training=True))
+        loss.backward()
+        FailsOnce.fail_at -= 1
+        if FailsOnce.fail_at == 0:
+            raise ValueError("this step fails on purpose")
+        self.optimizer.apply([v.value.grad for v in self.trainable_weights],
+                             self.trainable_weights)
+        self.tracker.update_state(loss)
+        return {"own_loss": self.tracker.result()}
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="torch's engine reduces gradients in DDP's "
+                    "buckets; the other engines all-reduce inside a traced step")
+@pytest.mark.parametrize("gpus", [2])
+def test_a_step_that_raises_after_its_buckets_leaves_the_group_usable(gpus):
+    """The step's error reaches the caller (its launched buckets are not waited for), and
+    the next call trains as one device does."""
+    x, y = _data(99)
+    keras.utils.set_random_seed(0)
+    model = FailsOnce()
+    target = kmg.multi_gpu_model(model, gpus=gpus)
+    target.compile(optimizer=keras.optimizers.SGD(0.1))
+    FailsOnce.fail_at = 2  # the second step: its buckets were launched during the backward
+    with pytest.raises(ValueError, match="fails on purpose"):
+        target.fit(x, y, batch_size=25, epochs=1, verbose=0, shuffle=False)
+    keras.utils.set_random_seed(0)
+    reference = FailsOnce()
+    reference.compile(optimizer=keras.optimizers.SGD(0.1))
+    reference(x[:1])  # built, to take the weights the failed call left
+    reference.set_weights(model.get_weights())
+    FailsOnce.fail_at = -1  # never again
+    target.fit(x, y, batch_size=25, epochs=1, verbose=0, shuffle=False)
+    reference.fit(x, y, batch_size=25, epochs=1, verbose=0, shuffle=False)
+    for a, b in zip(reference.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=ATOL)
+
+
 @pytest.mark.skipif(BACKEND != "torch", reason="torch's engine reduces gradients in DDP's "
                     "buckets; the other engines all-reduce inside a traced step")
 @pytest.mark.parametrize("gpus", [2])

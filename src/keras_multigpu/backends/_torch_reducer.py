@@ -53,9 +53,15 @@ class Reducer:
         """A step starts (`replica`: its rows); its backward pass fills the buckets."""
         self.replica = replica
 
-    def finish(self):
-        """The step has ended: nothing is left in flight, and the hooks sleep till the next."""
-        self._drain()
+    def finish(self, failed=False):
+        """The step has ended: nothing is left in flight, and the hooks sleep till the next.
+
+        After a step that raised, its buckets are not waited for: a peer that stopped would
+        keep them waiting, and their error would hide the step's own."""
+        if failed:
+            self._reset()
+        else:
+            self._drain()
         self.replica = None
 
     def end(self):

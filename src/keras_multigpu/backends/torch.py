@@ -230,10 +230,14 @@ def run_step(step, data, rows_out=False):
         reducer.begin(replica)
     try:
         result = step(mine)
+    except BaseException:
+        for reducer in reducers:
+            reducer.finish(failed=True)
+        raise
     finally:
         _replica.state = previous
-        for reducer in reducers:
-            reducer.finish()
+    for reducer in reducers:
+        reducer.finish()
     return _gather_rows(result, k, n) if rows_out else result
 
 
