@@ -416,6 +416,52 @@ class HalvedGradients(OwnStep):
         return {"own_loss": self.tracker.result()}
 
 
+@pytest.mark.skipif(BACKEND != "torch", reason="torch's ranks check their gradients "
+                    "themselves; one program checks the replicas' sum on the other engines")
+@pytest.mark.parametrize("gpus", [2])
+def test_mixed_precision_skips_an_overflowing_step_on_every_rank(gpus):
+    """Under mixed_float16, Keras's LossScaleOptimizer skips a step whose gradients are not
+    finite. One row that overflows float16 lies in rank 0's share of each epoch's first
+    batch: every rank skips that step (they check the summed gradients, as one device
+    checks its own), where a rank that skipped alone would leave the other waiting in the
+    all-reduce. The other steps overlap their all-reduce, through the loss scaler's apply."""
+    import torch.distributed as dist
+
+    x, y = _data(99)
+    x[3] = 1e5  # beyond float16's range
+    launched = []
+    all_reduce = dist.all_reduce
+
+    def counted_all_reduce(*args, **kwargs):
+        launched.append(bool(kwargs.get("async_op")))
+        return all_reduce(*args, **kwargs)
+
+    results = []
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        for g in (None, gpus):
+            model = _dense_model()
+            target = model if g is None else kmg.multi_gpu_model(model, gpus=g)
+            _compile(target)
+            assert isinstance(target.optimizer, keras.optimizers.LossScaleOptimizer)
+            dist.all_reduce = counted_all_reduce
+            try:
+                history = target.fit(x, y, batch_size=25, epochs=2, verbose=0, shuffle=False)
+            finally:
+                dist.all_reduce = all_reduce
+            results.append((model.get_weights(), history.history,
+                            float(keras.ops.convert_to_numpy(target.optimizer.dynamic_scale))))
+    finally:
+        keras.config.set_dtype_policy("float32")
+    assert sum(launched) == 2 * 4 - 1  # every step after the first overlaps
+    (ref_w, ref_h, ref_scale), (w, h, scale) = results
+    assert scale == ref_scale < 2.0 ** 15  # both halved it at the skipped steps
+    for key in ref_h:
+        np.testing.assert_allclose(h[key], ref_h[key], rtol=1e-2, err_msg=key)
+    for a, b in zip(ref_w, w):
+        np.testing.assert_allclose(b, a, rtol=1e-2, atol=1e-3)
+
+
 class FailsOnce(OwnStep):
     """Keras's torch step, raising once after its backward pass has launched its buckets."""
 

@@ -24,7 +24,7 @@ from keras_multigpu import rules
 
 # DDP's bucket sizes (`DistributedDataParallel(bucket_cap_mb=25)`, and its first bucket).
 BUCKET_BYTES = 25 * 1024 * 1024
-FIRST_BUCKET_BYTES = dist._DEFAULT_FIRST_BUCKET_BYTES
+FIRST_BUCKET_BYTES = 1024 * 1024  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
 
 
 class Reducer:
@@ -37,7 +37,6 @@ class Reducer:
         assignment, _ = dist._compute_bucket_assignment_by_size(
             params, [FIRST_BUCKET_BYTES, BUCKET_BYTES], [False] * len(params))
         self.buckets = list(reversed(assignment))  # lists of indices into `variables`
-        self.place = {i: b for b, bucket in enumerate(self.buckets) for i in bucket}
         self.handles = [p.register_post_accumulate_grad_hook(self._hook(i))
                         for i, p in enumerate(params)]
         self.on = True
@@ -58,17 +57,17 @@ class Reducer:
 
         After a step that raised, its buckets are not waited for: a peer that stopped would
         keep them waiting, and their error would hide the step's own."""
+        self.replica = None
         if failed:
             self._reset()
         else:
             self._drain()
-        self.replica = None
 
     def end(self):
-        """Removes the hooks (the end of a call)."""
-        self.finish()
+        """Removes the hooks (the end of a call), then waits for what is in flight."""
         for handle in self.handles:
             handle.remove()
+        self.finish()
 
     def _drain(self):
         for _, _, work in self.works:
@@ -83,7 +82,8 @@ class Reducer:
                 self.twice = True  # a second backward pass: `take` will decline
                 return
             self.seen[index] = (param.grad, param.grad._version)
-            self._launch_ready()
+            with torch.no_grad():
+                self._launch_ready()
         return hook
 
     def _launch_ready(self, everything=False):
@@ -121,7 +121,8 @@ class Reducer:
             self.on = False
             self._drain()
             return None
-        self._launch_ready(everything=True)
+        with torch.no_grad():
+            self._launch_ready(everything=True)
         reduced = list(grads)
         for b, flat, work in self.works:
             self.collective("all-reduce of the gradients", work.wait)
@@ -132,4 +133,6 @@ class Reducer:
                     reduced[i] = flat[offset:offset + size].view_as(grads[i])
                 offset += size
         self._reset()
+        self.replica = None  # this step's gradients are taken: a later backward pass in
+        # the step (a GAN's generator through its discriminator) launches nothing
         return reduced

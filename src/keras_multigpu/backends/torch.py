@@ -236,8 +236,9 @@ def run_step(step, data, rows_out=False):
         raise
     finally:
         _replica.state = previous
-    for reducer in reducers:
-        reducer.finish()
+    with contextlib.ExitStack() as finishing:  # each one finishes, whatever the others raise
+        for reducer in reducers:
+            finishing.callback(reducer.finish)
     return _gather_rows(result, k, n) if rows_out else result
 
 
@@ -338,6 +339,9 @@ def local_metric_state(variables, values):
 def _rules_table():
     return [
         (keras.optimizers.Optimizer, "apply", _apply, _step),
+        # Its own `apply` checks the gradients are finite before the inner optimizer's:
+        # on the sums, as one device checks its gradients, so every rank decides alike.
+        (keras.optimizers.LossScaleOptimizer, "apply", _apply, _step),
         *rules.table(_step, _call, torch_random, DRAWS, logs=_logs),
     ]
 
@@ -361,6 +365,7 @@ def scope(distribution):
         with rules.installed(_rules_table()):
             yield
     finally:
-        for reducer in _installed.reducers.values():
-            reducer.end()
-        _installed.engine, _installed.reducers = None, {}
+        reducers, _installed.reducers, _installed.engine = _installed.reducers, {}, None
+        with contextlib.ExitStack() as ending:
+            for reducer in reducers.values():
+                ending.callback(reducer.end)
