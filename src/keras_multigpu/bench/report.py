@@ -105,7 +105,8 @@ def _format_collectives(results):
     if not rows:
         return []
     lines = ["", "Collectives per step (torch.distributed, counted in rank 0 over the first fit "
-                 "call; store: stop-flag exchanges through the process group's store):",
+                 "call, DDP's buckets from its logging data; store: exchanges through the "
+                 "process group's store):",
              f"{'setup':16}{'dev':>4}{'collectives':>13}{'KiB':>10}{'store':>8}"]
     for name, row in rows.items():
         store = row["store_exchanges_per_step"]

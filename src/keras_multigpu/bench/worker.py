@@ -107,11 +107,12 @@ class CompileCounter:
 class CollectiveCounter:
     """Counts torch.distributed's collectives, and the bytes they carry, while it is on.
 
-    A wrapper counts each call of `torch.distributed.all_reduce` and its kin. Ours calls
-    them from Python; DistributedDataParallel's reducer calls its own from C++, so its
-    buckets are handed to DDP's default communication hook (`default_hooks.allreduce_hook`,
-    the Python form of what DDP runs without one), whose `all_reduce` the wrapper counts.
-    The stop flag's exchanges through the process group's store are counted apart.
+    A wrapper counts each call of `torch.distributed.all_reduce` and its kin: ours calls
+    them from Python. DistributedDataParallel's reducer runs its own from C++, untouched
+    (no communication hook, so DDP is timed as it runs); it all-reduces each of its
+    buckets once a step, and `ddp_buckets` reads them from DDP's own logging data.
+    Exchanges through the process group's store (`processes.exchange`: the stop flag at a
+    step boundary, where no collective carried it) are counted apart.
     """
 
     NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "barrier",
@@ -119,13 +120,13 @@ class CollectiveCounter:
 
     def __init__(self):
         import torch.distributed as dist
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         from torch.nn.parallel import DistributedDataParallel
 
         from keras_multigpu import processes
 
         self.count = self.bytes = self.store = 0
         self.on = False
+        self.ddps = []
         for name in self.NAMES:
             setattr(dist, name, self._counted(getattr(dist, name)))
         processes.exchange = self._counted_store(processes.exchange)
@@ -133,9 +134,19 @@ class CollectiveCounter:
 
         def init(ddp, *args, **kwargs):
             build(ddp, *args, **kwargs)
-            ddp.register_comm_hook(ddp.process_group, default_hooks.allreduce_hook)
+            self.ddps.append(ddp)
 
         DistributedDataParallel.__init__ = init
+
+    def ddp_buckets(self):
+        """(buckets, bytes) DDP all-reduces a step, over every DDP model made here."""
+        count = size = 0
+        for ddp in self.ddps:
+            data = ddp._get_ddp_logging_data()
+            sizes = str(data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes") or "")
+            sizes = [int(v) for v in sizes.replace(" ", "").split(",") if v]
+            count, size = count + len(sizes), size + sum(sizes)
+        return count, size
 
     def _add(self, tensor):
         if self.on:
@@ -257,10 +268,13 @@ def measure(spec):
     # Per step of the first fit call (its 1 + epochs epochs), what it starts and ends with
     # included; None where the setup runs no torch.distributed process group.
     fit_steps = (1 + spec["epochs"]) * steps
-    per_step = {} if collectives is None else {
-        "collectives_per_step": collectives.count / fit_steps,
-        "collective_kb_per_step": collectives.bytes / fit_steps / 1024,
-        "store_exchanges_per_step": collectives.store / fit_steps}
+    per_step = {}
+    if collectives is not None:
+        buckets, bucket_bytes = collectives.ddp_buckets()
+        per_step = {
+            "collectives_per_step": collectives.count / fit_steps + buckets,
+            "collective_kb_per_step": (collectives.bytes / fit_steps + bucket_bytes) / 1024,
+            "store_exchanges_per_step": collectives.store / fit_steps}
     return {
         "setup": setup.name, "engine": setup.engine, "devices": setup.devices,
         "global_batch": batch, "samples": samples, "steps_per_epoch": steps,

@@ -150,8 +150,6 @@ def small_convnet(input_shape=(32, 32, 3), num_classes=10, name="small_convnet")
         input_shape: ``(height, width, channels)``, height and width at least 4.
         num_classes: Number of output classes (positive int).
         name: Model name.
-        batchnorm: False leaves out every BatchNormalization layer (the benchmarks'
-            model whose step has no statistics across the batch).
 
     Returns:
         An uncompiled functional ``keras.Model`` that outputs class probabilities.
