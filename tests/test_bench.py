@@ -16,6 +16,7 @@ pytestmark = pytest.mark.slow  # several processes or whole runs: not in the fas
 def test_setup_names():
     assert bench.parse("ours-4") == bench.Setup("ours", 4)
     assert bench.parse("mirrored-2").backend == "tensorflow"
+    assert bench.parse("keras_dp_torch-2").processes == 2  # one process per device
     for bad in ("ours", "ours-0", "horovod-2", "plain-2", "ours-x"):
         with pytest.raises(ValueError, match=bad):
             bench.parse(bad)
@@ -27,9 +28,9 @@ def test_setup_names():
     assert names == ["plain-1", "ours-1", "ours-2", "ours-3", "plain_tf-1", "ours_tf-1",
                      "ours_tf-2", "ours_tf-3", "plain_torch-1", "ours_torch-1", "ours_torch-2",
                      "ours_torch-3", "dataparallel-2", "mirrored-2", "independent-2",
-                     "independent_tf-2", "ddp_torch-2", "independent_torch-2", "dataparallel-3",
-                     "mirrored-3", "independent-3", "independent_tf-3", "ddp_torch-3",
-                     "independent_torch-3"]
+                     "independent_tf-2", "ddp_torch-2", "keras_dp_torch-2", "independent_torch-2",
+                     "dataparallel-3", "mirrored-3", "independent-3", "independent_tf-3",
+                     "ddp_torch-3", "keras_dp_torch-3", "independent_torch-3"]
     assert bench.parse("ddp_torch-2").backend == "torch"
 
 
