@@ -365,6 +365,7 @@ class OwnStep(keras.Model):
             self.zero_grad()
             loss = self.compute_loss(y=y, y_pred=self(x, training=True))
             loss.backward()
+            self.after_backward()
             variables = self.trainable_variables
             self.optimizer.apply([v.value.grad for v in variables], variables)
             self.tracker.update_state(loss)
@@ -378,6 +379,9 @@ class OwnStep(keras.Model):
         self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
         self.tracker.update_state(loss)
         return {"own_loss": self.tracker.result()}
+
+    def after_backward(self):
+        """torch: runs between the backward pass and `apply` (the subclasses' hook)."""
 
 
 @pytest.mark.parametrize("gpus", [2, 4])
@@ -403,17 +407,9 @@ class HalvedGradients(OwnStep):
     """Keras's torch step, with every gradient halved in place between the backward pass
     and `apply` (linear, so one device halves the same sums)."""
 
-    def train_step(self, data):
-        x, y = data
-        self.zero_grad()
-        loss = self.compute_loss(y=y, y_pred=self(x, training=True))
-        loss.backward()
+    def after_backward(self):
         for v in self.trainable_weights:
             v.value.grad.mul_(0.5)
-        self.optimizer.apply([v.value.grad for v in self.trainable_weights],
-                             self.trainable_weights)
-        self.tracker.update_state(loss)
-        return {"own_loss": self.tracker.result()}
 
 
 @pytest.mark.skipif(BACKEND != "torch", reason="torch's ranks check their gradients "
@@ -467,18 +463,10 @@ class FailsOnce(OwnStep):
 
     fail_at = 2
 
-    def train_step(self, data):
-        x, y = data
-        self.zero_grad()
-        loss = self.compute_loss(y=y, y_pred=self(x, training=True))
-        loss.backward()
+    def after_backward(self):
         FailsOnce.fail_at -= 1
         if FailsOnce.fail_at == 0:
             raise ValueError("this step fails on purpose")
-        self.optimizer.apply([v.value.grad for v in self.trainable_weights],
-                             self.trainable_weights)
-        self.tracker.update_state(loss)
-        return {"own_loss": self.tracker.result()}
 
 
 @pytest.mark.skipif(BACKEND != "torch", reason="torch's engine reduces gradients in DDP's "

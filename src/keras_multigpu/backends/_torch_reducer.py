@@ -33,12 +33,12 @@ class Reducer:
     def __init__(self, variables, collective):
         self.variables = list(variables)
         self.collective = collective  # `_collective(what, function, ...)`: named errors
-        params = [v.value for v in self.variables]
+        self.params = [v.value for v in self.variables]  # their torch tensors
         assignment, _ = dist._compute_bucket_assignment_by_size(
-            params, [FIRST_BUCKET_BYTES, BUCKET_BYTES], [False] * len(params))
+            self.params, [FIRST_BUCKET_BYTES, BUCKET_BYTES], [False] * len(self.params))
         self.buckets = list(reversed(assignment))  # lists of indices into `variables`
         self.handles = [p.register_post_accumulate_grad_hook(self._hook(i))
-                        for i, p in enumerate(params)]
+                        for i, p in enumerate(self.params)]
         self.on = True
         self.replica = None
         self._reset()
@@ -95,10 +95,7 @@ class Reducer:
             if not everything and any(i not in self.seen for i in bucket):
                 return
             parts = [self.seen[i][0].reshape(-1) if i in self.seen else
-                     torch.zeros(self.variables[i].value.numel(),
-                                 dtype=self.variables[i].value.dtype,
-                                 device=self.variables[i].value.device)
-                     for i in bucket]
+                     torch.zeros_like(self.params[i]).reshape(-1) for i in bucket]
             flat = rules.weigh(self.replica, torch.cat(parts))
             work = self.collective("all-reduce of the gradients", dist.all_reduce, flat,
                                    async_op=True)
@@ -128,7 +125,7 @@ class Reducer:
             self.collective("all-reduce of the gradients", work.wait)
             offset = 0
             for i in self.buckets[b]:
-                size = self.variables[i].value.numel()
+                size = self.params[i].numel()
                 if grads[i] is not None:
                     reduced[i] = flat[offset:offset + size].view_as(grads[i])
                 offset += size
