@@ -641,7 +641,10 @@ def run_plan(args, out, toy, machine):
             later = sum(GROUP_START_S + sum(r["budget_s"] for r in records if r["backend"] == b)
                         for b in available[available.index(backend) + 1:])
             # Its own plan (three times it at toy sizes), leaving later groups theirs.
-            group_deadline = min(time.time() + planned * (3 if toy else 1), deadline - later)
+            # (On a GPU, the whole budget left beyond the later groups' plans: a record's
+            # budget is soft, and a selection of a few records must not die at its plan.)
+            group_deadline = (min(time.time() + planned * 3, deadline - later) if toy
+                              else deadline - later)
             print(f"[plan] {backend}: {len(group)} record(s), "
                   f"{group_deadline - time.time():.0f} s", flush=True)
             shards = [group]
