@@ -455,3 +455,14 @@ def test_plain_keras_model_times_steps_and_says_data_is_not_measured(tmp_path, n
 def test_interval_must_be_positive():
     with pytest.raises(ValueError, match="interval"):
         DeviceMonitor("x", interval=0)
+
+
+def test_one_long_step_is_clipped_from_the_step_plot_and_named():
+    from keras_multigpu._monitor_files import _step_axis_top
+
+    steps = [5.0] * 79 + [9300.0] + [5.0] * 80  # the step that compiles evaluation
+    top, clipped = _step_axis_top(steps)
+    assert clipped == [9300.0]
+    assert 15.0 < top < 16.0  # 3 x the 95th percentile (5 ms), with a margin
+    assert _step_axis_top([5.0, 6.0, 5.5] * 10) == (None, [])  # nothing stands out
+    assert _step_axis_top([5.0, 9300.0]) == (None, [])  # too few steps to judge

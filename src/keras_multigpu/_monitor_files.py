@@ -27,6 +27,17 @@ def _thin(timeline, limit):
     return [row for row in timeline if row[0] in kept]
 
 
+def _step_axis_top(step_ms):
+    """The step plot's upper limit and the steps above it: 3 x the 95th percentile,
+    so that one long step (a compilation) leaves the others readable."""
+    if len(step_ms) < 20:
+        return None, []
+    ordered = sorted(step_ms)
+    top = 3 * ordered[int(0.95 * (len(ordered) - 1))]
+    clipped = [ms for ms in step_ms if ms > top]
+    return (top * 1.05, clipped) if clipped else (None, [])
+
+
 def _merge_hosts(everyone):
     """One timeline over every process's GPUs, each GPU once (processes of one machine
     often see the same GPUs: the lowest rank's samples of each are kept), renumbered."""
@@ -117,7 +128,11 @@ class MonitorFiles:
             ax.axvline(number, color="grey", linestyle=":", linewidth=1)
         compile_note = f"; step 0 (compiling, {self.steps[0][3] / 1000:.1f} s) not shown" if (
             self.steps) else ""
-        ax.set(xlabel="step (dotted: an epoch begins)", ylabel="ms", ylim=(0, None),
+        top, clipped = _step_axis_top([r[3] for r in steps])
+        if clipped:  # e.g. the step that compiles evaluation: it would flatten the rest
+            compile_note += (f"; {len(clipped)} step(s) above {top:.0f} ms clipped "
+                             f"(longest {max(clipped) / 1000:.1f} s)")
+        ax.set(xlabel="step (dotted: an epoch begins)", ylabel="ms", ylim=(0, top),
                title=("Per-step time on the host" + ("" if gpus else " (no GPU)")
                       + compile_note))
         ax.legend(loc="lower right", fontsize=8)
