@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import keras
 import numpy as np
@@ -162,40 +163,112 @@ def _batch_shape_floor(target, program, gpus, output, reference):
         for s in shapes)
 
 
-RELOAD = r"""
-import importlib.util, json, sys
+# One clean process per pytest process reloads every program's saved model, as a user on
+# one CPU would: no virtual devices, no PYTHONPATH, and never keras_multigpu. It imports
+# Keras and its backend once (2-4 s a time otherwise) and clears Keras's session before
+# each program, whose module it runs afresh (its custom objects registered again).
+RELOAD_SERVER = r"""
+import importlib.util, json, sys, traceback
 import numpy as np
 import keras
-spec = importlib.util.spec_from_file_location("program", sys.argv[1])
-program = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(program)
-predicts = getattr(program, "PREDICT", True)
-if program.SAVE == "keras":
-    model = keras.saving.load_model(sys.argv[2])
-elif predicts:
-    x = program.predict_x()
-    model = program.build()
-    model.predict(keras.tree.map_structure(lambda a: a[:1], x), verbose=0)  # builds it
-    model.load_weights(sys.argv[2])
-else:  # no call (a GAN): its sub-models are built, so it is
-    model = program.build()
-    model.built = True
-    model.load_weights(sys.argv[2])
-if predicts and not getattr(program, "RANDOM_PREDICT", False):
-    out = keras.tree.flatten(model.predict(program.predict_x(), batch_size=25, verbose=0))
-else:
-    out = model.get_weights()
-np.savez(sys.argv[3], *out)
-assert "keras_multigpu" not in sys.modules, "the reload imported keras_multigpu"
-try:
-    devices = len(keras.distribution.list_devices())
-except AttributeError:  # this Keras has no torch distribution library: one process, one device
-    devices = 1
-print(json.dumps({"outputs": len(out), "devices": devices}))
+
+def reload(program_path, saved, out_path):
+    keras.backend.clear_session()
+    spec = importlib.util.spec_from_file_location("program", program_path)
+    program = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(program)
+    predicts = getattr(program, "PREDICT", True)
+    if program.SAVE == "keras":
+        model = keras.saving.load_model(saved)
+    elif predicts:
+        x = program.predict_x()
+        model = program.build()
+        model.predict(keras.tree.map_structure(lambda a: a[:1], x), verbose=0)  # builds it
+        model.load_weights(saved)
+    else:  # no call (a GAN): its sub-models are built, so it is
+        model = program.build()
+        model.built = True
+        model.load_weights(saved)
+    if predicts and not getattr(program, "RANDOM_PREDICT", False):
+        out = keras.tree.flatten(model.predict(program.predict_x(), batch_size=25, verbose=0))
+    else:
+        out = model.get_weights()
+    np.savez(out_path, *out)
+    assert "keras_multigpu" not in sys.modules, "the reload imported keras_multigpu"
+    try:
+        devices = len(keras.distribution.list_devices())
+    except AttributeError:  # this Keras has no torch distribution library: one device
+        devices = 1
+    return {"outputs": len(out), "devices": devices}
+
+for line in sys.stdin:
+    request = json.loads(line)
+    try:
+        answer = reload(*request["args"])
+    except BaseException:
+        answer = {"error": traceback.format_exc()}
+    answer["id"] = request["id"]
+    print("RELOADED " + json.dumps(answer), flush=True)
 """
 
 
-def _reload_elsewhere(name, target, workdir):
+class _Reloader:
+    """The reload process (`RELOAD_SERVER`), started where pytest runs, before any fork:
+    under torch a test runs in forked processes, and its rank 0 asks through the inherited
+    pipes. Each answer names its request, so one left unread by a failed test is skipped."""
+
+    def __init__(self):
+        self.process = None
+        self.asked = 0
+
+    def start(self):
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("KERAS_MULTIGPU_CPU_DEVICES", "XLA_FLAGS", "PYTHONPATH", "RANK",
+                            "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+        env["KERAS_BACKEND"] = keras.backend.backend()
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", RELOAD_SERVER], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+
+    def reload(self, program_path, saved, out, timeout=300):
+        if self.process is None or self.process.poll() is not None:
+            self.start()  # first use, or after a failure ended it
+        self.asked += 1
+        ask = f"{os.getpid()}-{self.asked}"
+        self.process.stdin.write(json.dumps({"id": ask, "args": [program_path, saved, out]})
+                                 + "\n")
+        self.process.stdin.flush()
+        timer = threading.Timer(timeout, self.process.kill)  # a hung reload fails, not hangs
+        timer.start()
+        try:
+            for line in self.process.stdout:
+                if line.startswith("RELOADED "):
+                    answer = json.loads(line[len("RELOADED "):])
+                    if answer["id"] == ask:
+                        return answer
+        finally:
+            timer.cancel()
+        raise AssertionError(f"the reload process ended (exit {self.process.poll()}) "
+                             f"before answering for {program_path}")
+
+    def close(self):
+        if self.process is not None and self.process.poll() is None:
+            self.process.stdin.close()
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+@pytest.fixture(scope="module")
+def reloader():
+    reloader = _Reloader()
+    reloader.start()  # here, in pytest's own process (see _Reloader)
+    yield reloader
+    reloader.close()
+
+
+def _reload_elsewhere(name, target, workdir, reloader):
     program = _load(name)
     if program.SAVE is None:  # Keras cannot save it (see the program)
         return None
@@ -207,16 +280,8 @@ def _reload_elsewhere(name, target, workdir):
     if os.environ.get("RANK", "0") != "0":
         return None  # one process per device (torch): the first reloads for all
     out = os.path.join(workdir, "reloaded.npz")
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("KERAS_MULTIGPU_CPU_DEVICES", "XLA_FLAGS", "PYTHONPATH", "RANK",
-                        "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env["KERAS_BACKEND"] = keras.backend.backend()
-    result = subprocess.run(
-        [sys.executable, "-c", RELOAD, os.path.join(PROGRAMS_DIR, f"{name}.py"), path, out],
-        capture_output=True, text=True, env=env, timeout=300, check=False,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    facts = json.loads(result.stdout.strip().splitlines()[-1])
+    facts = reloader.reload(os.path.join(PROGRAMS_DIR, f"{name}.py"), path, out)
+    assert "error" not in facts, facts.get("error", "")[-3000:]
     assert facts["devices"] == 1  # one CPU device: no virtual devices, no library
     with np.load(out) as saved:
         return [saved[f"arr_{i}"] for i in range(facts["outputs"])]
@@ -261,7 +326,7 @@ def _with_counts(names):
 
 
 @pytest.mark.parametrize(("name", "gpus"), _with_counts(PROGRAMS))
-def test_program_equals_one_device(name, gpus, tmp_path):
+def test_program_equals_one_device(name, gpus, tmp_path, reloader):
     program = _load(name)
     _written_for_this_backend(program)
     assert program.SOURCE.startswith("https://")
@@ -278,10 +343,10 @@ def test_program_equals_one_device(name, gpus, tmp_path):
         # steps, and SGD in float32 still leaves its tolerance: both remedies apply there
         # (float64 and SGD, at the float32 tolerance; see `_close`).
         exact = optimizer if not precise or keras.backend.backend() == "torch" else None
-        _program_equals_one_device(name, program, tmp_path, exact, gpus)
+        _program_equals_one_device(name, program, tmp_path, exact, gpus, reloader)
 
 
-def _program_equals_one_device(name, program, tmp_path, optimizer, gpus):
+def _program_equals_one_device(name, program, tmp_path, optimizer, gpus, reloader):
     reference = _run(program, None, str(tmp_path / "one"), optimizer=optimizer)
     ref_model, _, initial, _, _ = reference
     if initial is not None:  # the program trained something
@@ -290,7 +355,7 @@ def _program_equals_one_device(name, program, tmp_path, optimizer, gpus):
     assert isinstance(run[1], kmg.ParallelModel) and run[1].num_replicas == gpus
     _compare(reference, run, gpus, program)
     model, target = run[0], run[1]
-    reloaded = _reload_elsewhere(name, target, str(tmp_path / f"gpus{gpus}"))
+    reloaded = _reload_elsewhere(name, target, str(tmp_path / f"gpus{gpus}"), reloader)
     if reloaded is None:
         return
     expected = (keras.tree.flatten(model.predict(program.predict_x(), batch_size=25, verbose=0))
