@@ -137,7 +137,7 @@ def deadline_callback(deadline, minimum):
 
 
 class Group:
-    """The models of one process, kept per (engine, precision, augment)."""
+    """The models of one process, kept per (engine, precision, augment, batchnorm)."""
 
     def __init__(self, task, x, y):
         self.task, self.x, self.y = task, x, y
@@ -149,12 +149,14 @@ class Group:
 
         from keras_multigpu import experiment, multi_gpu_model
 
-        key = (record["engine"], record["precision"], record["augment"])
+        batchnorm = record.get("batchnorm", True)
+        key = (record["engine"], record["precision"], record["augment"], batchnorm)
         if key not in self.models:
             keras.config.set_dtype_policy(record["precision"])
             # (Not keras.utils.set_random_seed: it imports TensorFlow where installed.)
             template, _ = experiment.build_models(self.mean, self.task["width"],
-                                                  record["augment"], seed=0)
+                                                  record["augment"], seed=0,
+                                                  batchnorm=batchnorm)
             model = multi_gpu_model(template, gpus=1) if record["engine"] == "ours" else template
             optimizer = keras.optimizers.SGD(5e-3, momentum=0.9)
             self.models[key] = {"model": model, "template": template, "optimizer": optimizer,

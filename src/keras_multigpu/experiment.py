@@ -29,7 +29,7 @@ from keras_multigpu.parallel import multi_gpu_model
 logger = logging.getLogger(__name__)
 
 
-def build_models(mean, width=1.0, augment=True, seed=None):
+def build_models(mean, width=1.0, augment=True, seed=None, batchnorm=True):
     """MiniGoogLeNet with the recipe's preprocessing, for training and for saving.
 
     Returns `(train_model, saved_model)`, which share every weight. The
@@ -42,7 +42,7 @@ def build_models(mean, width=1.0, augment=True, seed=None):
     normalize = keras.layers.Normalization(
         axis=(1, 2, 3), mean=mean, variance=np.ones_like(mean), name="subtract_mean"
     )
-    network = models.mini_googlenet(mean.shape, width=width)
+    network = models.mini_googlenet(mean.shape, width=width, batchnorm=batchnorm)
     saved = keras.Model(inputs, network(normalize(inputs)), name="minigooglenet_cifar10")
     if not augment:
         return saved, saved
