@@ -154,6 +154,15 @@ def test_tiny_run_writes_results_and_plots(tmp_path, capsys):
     two = results["table"]["ours-2"]
     assert two["devices"] == 2 and two["efficiency"] == pytest.approx(two["speedup"] / 2)
     assert two["compiled_step_ms"]["median"] > 0  # the step alone, on placed data
+    # Collectives in the compiled step (XLA's optimised HLO): one device runs none; two run
+    # the gradients' all-reduce, which XLA combines with the logs' for this small model.
+    table = results["table"]
+    assert table["plain-1"]["collectives_per_step"]["median"] == 0
+    assert table["ours-1"]["collectives_per_step"]["median"] == 0
+    gradients_kib = 4 * (32 * 32 * 3 * 64 + 64 + 64 * 10 + 10) / 1024
+    for name in ("ours-2", "dataparallel-2"):
+        assert table[name]["collectives_per_step"]["median"] >= 1, name
+        assert table[name]["collective_kb_per_step"]["median"] >= gradients_kib, name
     assert results["raw"]["ours-2"][0]["global_batch"] == 64
     ceiling = results["raw"]["independent-2"][0]  # two plain-1 processes at once, summed
     assert [p["global_batch"] for p in ceiling["processes"]] == [32, 32]

@@ -99,14 +99,16 @@ def _host_table(rows, extra=False):
 
 
 def _format_collectives(results):
-    """The per-step communication of the setups that run a torch process group."""
+    """The per-step communication of the setups that count it: torch's process groups,
+    and JAX's compiled steps."""
     rows = {name: row for name, row in results["table"].items()
-            if row.get("collectives_per_step")}
+            if row.get("collectives_per_step") is not None}
     if not rows:
         return []
-    lines = ["", "Collectives per step (torch.distributed, counted in rank 0 over the first fit "
+    lines = ["", "Collectives per step (torch.distributed: counted in rank 0 over the first fit "
                  "call, DDP's buckets from its logging data; store: exchanges through the "
-                 "process group's store):",
+                 "process group's store. JAX: in the compiled step's optimised HLO, after XLA "
+                 "combined them):",
              f"{'setup':16}{'dev':>4}{'collectives':>13}{'KiB':>10}{'store':>8}"]
     for name, row in rows.items():
         store = row["store_exchanges_per_step"]

@@ -14,18 +14,34 @@ per-call work of the engine: data placement, state placement, building the
 iterator, anything compiled anew.
 """
 
+import atexit
 import contextlib
 import itertools
 import json
+import math
+import os
+import re
 import resource
+import shutil
 import statistics
 import sys
 import tempfile
 import time
 
-import keras
+# JAX setups: XLA writes each compiled training step's optimised HLO here (set before JAX
+# starts, hence before Keras is imported), and `compiled_collectives` counts its
+# collectives. The step is compiled in the warm-up epoch, which no figure times.
+HLO_DIR = None
+if os.environ.get("KERAS_BACKEND") == "jax" and "--xla_dump_to" not in os.environ.get(
+        "XLA_FLAGS", ""):
+    HLO_DIR = tempfile.mkdtemp(prefix="kmg-bench-hlo-")
+    atexit.register(shutil.rmtree, HLO_DIR, True)
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={HLO_DIR}"
+                               " --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*train.*")
 
-from keras_multigpu.callbacks import DeviceMonitor, EpochStats
+import keras  # noqa: E402
+
+from keras_multigpu.callbacks import DeviceMonitor, EpochStats  # noqa: E402
 
 
 def build_model(name, width):
@@ -73,6 +89,38 @@ def compiled_step_seconds(model, x, y, repeats):
         jax.block_until_ready(state)
     # The state was donated to the step: this model is not used again.
     return (time.perf_counter() - start) / repeats
+
+
+_COLLECTIVE = re.compile(r"= (.+?) (all-reduce|all-reduce-start|all-gather|all-gather-start|"
+                         r"reduce-scatter|all-to-all|collective-permute|"
+                         r"collective-permute-start)\(")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f16": 2, "bf16": 2, "s16": 2, "u16": 2, "f32": 4,
+          "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+
+
+def compiled_collectives(folder):
+    """(collectives, bytes) in one call of the compiled training step, from XLA's dump of
+    its optimised HLO (after XLA combined them), or None when no step was dumped.
+
+    Of several training modules (recompiled for another shape), the last compiled.
+    """
+    if folder is None or not os.path.isdir(folder):
+        return None
+    steps = sorted(f for f in os.listdir(folder)  # module_NNNN.<name>...: in compile order
+                   if "train" in f and f.endswith("after_optimizations.txt"))
+    if not steps:
+        return None
+    count = size = 0
+    with open(os.path.join(folder, steps[-1])) as f:
+        for line in f:
+            found = _COLLECTIVE.search(line)
+            if found is None:
+                continue
+            count += 1
+            for dtype, dims in re.findall(r"([a-z]+\d*)\[([\d,]*)\]", found.group(1)):
+                size += _BYTES.get(dtype, 4) * int(
+                    math.prod(int(d) for d in dims.split(",") if d))
+    return count, size
 
 
 class CompileCounter:
@@ -269,6 +317,10 @@ def measure(spec):
     # included; None where the setup runs no torch.distributed process group.
     fit_steps = (1 + spec["epochs"]) * steps
     per_step = {}
+    compiled = compiled_collectives(HLO_DIR) if setup.backend == "jax" else None
+    if compiled is not None:  # what the compiled step runs; no store on JAX
+        per_step = {"collectives_per_step": compiled[0],
+                    "collective_kb_per_step": compiled[1] / 1024}
     if collectives is not None:
         buckets, bucket_bytes = collectives.ddp_buckets()
         per_step = {
