@@ -695,3 +695,24 @@ def test_a_saved_model_loads_under_the_other_backend(tmp_path):
 def test_the_engine_module_is_the_backend():
     assert backends.current().__name__ == f"keras_multigpu.backends.{BACKEND}"
     assert all(callable(getattr(backends.current(), name)) for name in backends.API)
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's tf.distribute strategies")
+def test_tensorflows_default_device_trains_without_a_strategy():
+    """Any strategy, OneDeviceStrategy too, halves `fit` on one CPU device
+    (benchmarks/tf_one_device.py): on the device TensorFlow places on anyway, the engine
+    runs none, and the model's variables are never swapped; another lone device keeps a
+    MirroredStrategy that places the step there."""
+    import tensorflow as tf
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    behind = [v.value for v in model.variables]  # the tf.Variables behind each variable
+    one = kmg.multi_gpu_model(model, gpus=1)
+    assert not isinstance(one._distribution.strategy, tf.distribute.MirroredStrategy)
+    one.compile(optimizer="sgd", loss="mse")
+    x, y = np.ones((8, 4), "float32"), np.zeros((8, 3), "float32")
+    one.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    assert all(v.value is b for v, b in zip(model.variables, behind))
+    other = kmg.multi_gpu_model(model, gpus=[1])
+    assert isinstance(other._distribution.strategy, tf.distribute.MirroredStrategy)
+    assert other._distribution.strategy.extended.worker_devices[0].endswith("CPU:1")

@@ -26,6 +26,10 @@ call its variables are swapped for mirrored ones (same values, same
 when it ends: the trained model is the user's own, and trains, saves, loads
 and predicts on its own as any Keras model.
 
+One device, the one TensorFlow places ops on anyway (the first GPU, else the CPU), runs
+without a strategy, as plain Keras does: any strategy, OneDeviceStrategy too, halves `fit`
+there (benchmarks/tf_one_device.py), and one replica needs no collective.
+
 Several workers (`TF_CONFIG` naming more than one, one process per host):
 the strategy is a `MultiWorkerMirroredStrategy` over this worker's devices,
 joined when the package is imported (TensorFlow fixes its collectives when
@@ -130,12 +134,31 @@ class Engine:
 
     def __init__(self, devices, strategy=None):
         self.devices = tuple(devices)
+        if strategy is None and _framework_default(self.devices):
+            # One device, the one TensorFlow places on anyway: no strategy, as plain Keras.
+            # Any strategy, even OneDeviceStrategy, halves `fit` on one CPU device
+            # (benchmarks/tf_one_device.py), and one replica needs no collective.
+            strategy = tf.distribute.get_strategy()
         self.strategy = strategy or _strategy(tuple(f"/device:{d.kind.upper()}:{d.id}"
                                                     for d in devices))
         self.num_replicas = self.strategy.num_replicas_in_sync
 
     def scope(self):
         return scope(self)
+
+
+def _framework_default(devices):
+    """Whether `devices` is the one device TensorFlow places ops on by default: the first
+    GPU, or the CPU where there is no GPU."""
+    if len(devices) != 1 or devices[0].id != 0:
+        return False
+    gpus = tf.config.list_logical_devices("GPU")
+    return devices[0].kind == ("gpu" if gpus else "cpu")
+
+
+def _is_default(strategy):
+    return not isinstance(strategy, (tf.distribute.MirroredStrategy,
+                                     tf.distribute.MultiWorkerMirroredStrategy))
 
 
 def make_distribution(devices):
@@ -213,6 +236,8 @@ def replicate(variables, distribution, optimizers=()):
     `release` swaps the plain ones back at the end of the call.
     """
     strategy = distribution.strategy
+    if _is_default(strategy):
+        return  # one device, no strategy: the variables train as they are
     swapped = False
     for variable in variables:
         value = variable._value
@@ -253,6 +278,8 @@ def release(variables, distribution, optimizers=(), failed=False):
     strategy, as if it had never been distributed.
     """
     strategy = distribution.strategy
+    if _is_default(strategy):
+        return
     for variable in variables:
         value = variable._value
         if not isinstance(value, tf.distribute.DistributedValues):
