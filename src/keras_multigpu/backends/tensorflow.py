@@ -135,10 +135,7 @@ class Engine:
     def __init__(self, devices, strategy=None):
         self.devices = tuple(devices)
         if strategy is None and _framework_default(self.devices):
-            # One device, the one TensorFlow places on anyway: no strategy, as plain Keras.
-            # Any strategy, even OneDeviceStrategy, halves `fit` on one CPU device
-            # (benchmarks/tf_one_device.py), and one replica needs no collective.
-            strategy = tf.distribute.get_strategy()
+            strategy = tf.distribute.get_strategy()  # no strategy (see the module's doc)
         self.strategy = strategy or _strategy(tuple(f"/device:{d.kind.upper()}:{d.id}"
                                                     for d in devices))
         self.num_replicas = self.strategy.num_replicas_in_sync
