@@ -140,6 +140,23 @@ def _call(function, arguments):
             value.finish(value.get())
 
 
+# The whole of every sweep that CI runs a rotation of (test_programs, `rotated`).
+FULL = os.environ.get("KERAS_MULTIGPU_TEST_FULL") == "1"
+
+
+def rotated(counts, cases, per_case=2):
+    """(count, *case) parameters: each case at `per_case` of the device `counts`, rotated by
+    case and engine, so that each engine meets every count and every case, and each case
+    more counts across the engines. Every pair under KERAS_MULTIGPU_TEST_FULL=1 (the whole
+    product: more time than CI spends)."""
+    if FULL or per_case >= len(counts):
+        return [(count, *case) for case in cases for count in counts]
+    engine = ("jax", "tensorflow", "torch").index(keras.backend.backend())
+    stride = len(counts) // per_case
+    return [(counts[(i + engine + j * stride) % len(counts)], *case)
+            for i, case in enumerate(cases) for j in range(per_case)]
+
+
 def engine_gpus(gpus):
     """The devices a behaviour test wraps a model on: `gpus` on JAX and TensorFlow, which
     take any count of their virtual devices in one process; on torch, one process per
@@ -185,4 +202,4 @@ def pytest_pyfunc_call(pyfuncitem):
 
 
 __all__ = ["kmg", "classification_data", "assert_weights_close", "cifar_dir", "synthetic_cifar",
-           "engine_gpus", "per_process", "PerProcess", "TORCH_WORLD"]
+           "engine_gpus", "per_process", "PerProcess", "TORCH_WORLD", "rotated", "FULL"]
