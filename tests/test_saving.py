@@ -128,15 +128,6 @@ def test_failed_save_leaves_the_previous_file_intact(dense_model, tmp_path, monk
     assert os.listdir(tmp_path) == ["model.keras"]  # no temporary file left
 
 
-def test_saving_refuses_wrong_suffix_and_existing_files(dense_model, tmp_path):
-    parallel = kmg.multi_gpu_model(dense_model(), gpus=engine_gpus(2))
-    with pytest.raises(ValueError, match=r"\.keras"):
-        parallel.save(tmp_path / "model.h5")
-    parallel.save(tmp_path / "model.keras")
-    with pytest.raises(FileExistsError, match="overwrite=False"):
-        parallel.save(tmp_path / "model.keras", overwrite=False)
-
-
 def test_saved_files_get_ordinary_permissions(dense_model, tmp_path):
     parallel = kmg.multi_gpu_model(dense_model(), gpus=engine_gpus(2))
     parallel.save(tmp_path / "model.keras")
