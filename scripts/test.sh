@@ -6,15 +6,18 @@
 #   contract, the batch order and shuffling) again on the next Keras (../shared/keras-next,
 #   Keras's main branch as a wheel, laid over the environment's Keras through PYTHONPATH,
 #   so nothing else changes); then torch's launcher tests across machines
-#   (tests/test_multihost.py) and the benchmark harness's (tests/test_bench.py), the
-#   launcher's own tests (tests/test_launch.py, on JAX) and the next Keras's exactness
-#   tests on torch.
+#   (tests/test_multihost.py) and the benchmark harness's (tests/test_bench.py), and the
+#   next Keras's exactness tests on torch.
 # - Stream 2: the behaviour suite on TensorFlow (two pytest processes) and on PyTorch
-#   (whose multi-device tests fork one gloo process per device): the rule units, the engine contract, the real Keras
-#   programs, semantics, parallel, errors, inputs, saving, callbacks and the checkpoint's
-#   in-process tests (its killed runs start each engine in the JAX run), with TensorFlow's
-#   several-worker tests (tests/test_multihost_tf.py).
-# The split keeps the two streams near the same length.
+#   (whose multi-device tests fork one gloo process per device): the rule units, the engine
+#   contract, the real Keras programs, semantics, parallel, errors, inputs, saving, callbacks
+#   and the checkpoint's in-process tests (its killed runs start each engine in the JAX run),
+#   with TensorFlow's several-worker tests (tests/test_multihost_tf.py); then the launcher's
+#   own tests (tests/test_launch.py, on JAX).
+# The split keeps the two streams near the same length. The widest sweeps run a rotation:
+# each real program on two of the three engines, and each case of the device-count sweeps
+# at some of the counts (tests/conftest.py's `rotated`); KERAS_MULTIGPU_TEST_FULL=1 runs
+# every pair (about 1.5 times as long).
 # pytest exits non-zero when a test fails and 5 when no test ran; either fails
 # this script.
 set -euo pipefail
@@ -52,26 +55,27 @@ run() {  # a log name, a backend, then pytest's arguments: runs them, then print
   local log=$1 backend=$2
   shift 2
   local status=0
-  # --durations: the slowest tests, to keep the whole under 30 min.
+  # --durations: the slowest tests, to keep the whole under 30 min; a test still running after
+  # 120 s prints every thread's stack (TensorFlow's runs stall a test now and then).
   KERAS_BACKEND=$backend .venv/bin/python -m pytest -q -p no:cacheprovider --durations=10 \
-      "$@" > "$logs/$log" 2>&1 || status=1
+      -o faulthandler_timeout=120 "$@" > "$logs/$log" 2>&1 || status=1
   echo "== KERAS_BACKEND=$backend: $*"
   cat "$logs/$log"
   return $status
 }
+# For the JAX runs: XLA:CPU's LLVM code generation at a lower level (the HLO passes, fusion
+# and the collectives' schedule, are unchanged): most of a JAX test's time is compiling small
+# steps, and these cut test_parallel's CPU time by 23 % (130 to 100 s). Every comparison in
+# the suite runs both sides under the same flags; subprocesses that a test starts without
+# XLA_FLAGS compile at the default level.
+jax_flags="--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 stream1() {
   local status=0
-  # XLA:CPU's LLVM code generation at a lower level (the HLO passes, fusion and the
-  # collectives' schedule, are unchanged): most of a JAX test's time is compiling small
-  # steps, and these cut test_parallel's CPU time by 23 % (130 to 100 s). Every comparison
-  # in the suite runs both sides under the same flags; subprocesses that a test starts
-  # without XLA_FLAGS compile at the default level.
-  export XLA_FLAGS="--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+  export XLA_FLAGS=$jax_flags
   run jax jax --ignore=tests/test_multihost.py --ignore=tests/test_multihost_tf.py \
       --ignore=tests/test_bench.py --ignore=tests/test_launch.py "$@" || status=1
   next_keras jax || status=1
   run torch-hosts torch tests/test_multihost.py tests/test_bench.py || status=1
-  run launch jax tests/test_launch.py || status=1
   next_keras torch || status=1
   return $status
 }
@@ -91,7 +95,8 @@ behaviour="tests/test_semantics.py tests/test_parallel.py tests/test_errors.py
 run tensorflow tensorflow $contract || status=1
 run tensorflow-behaviour tensorflow $behaviour tests/test_multihost_tf.py || status=1
 run torch torch $contract $behaviour || status=1
+XLA_FLAGS=$jax_flags run launch jax tests/test_launch.py || status=1
 wait "$first" || status=1
-echo "== stream 1: JAX, the next Keras, torch across machines, the launcher"
+echo "== stream 1: JAX, the next Keras, torch across machines"
 cat "$logs/stream1"
 exit "$status"
