@@ -230,6 +230,13 @@ def test_verdict_thresholds(data_ms, level):
     assert found["bound"] == ("input" if level == "highly" else "compute")
 
 
+@pytest.mark.parametrize("data_ms", [0.1, 3.0])
+def test_a_cpu_run_says_so_whatever_held_it_back(data_ms):
+    steps = [(i, 0, data_ms, 10.0) for i in range(5)]
+    found = monitor.verdict(steps, [], "dataset", gpus=0, accelerator="cpu")
+    assert sum("no GPU: the CPU does the work" in line for line in found["lines"]) == 1
+
+
 # -- real fits on CPU -------------------------------------------------------------------
 
 

@@ -116,6 +116,8 @@ def verdict(steps, timeline, measured="dataset", gpus=0, ranks=None, communicati
                          + ", ".join(f"gpu:{d} {u:.0f}%" for d, u in mean.items())
                          + "; steps may be too small to fill them.")
             fixes.append("a larger batch per device")
+    if bound != "compute" and not gpus and accelerator == "cpu":
+        lines.append("no GPU: the CPU does the work.")  # whatever held it back
     lagging = None
     if len(mean) > 1 and max(mean.values()) - min(mean.values()) > LAG_POINTS:
         lagging = min(mean, key=mean.get)
