@@ -140,6 +140,7 @@ def _call(function, arguments):
             value.finish(value.get())
 
 
+ENGINES = ("jax", "tensorflow", "torch")  # the order the rotations count engines in
 # The whole of every sweep that CI runs a rotation of (test_programs, `rotated`).
 FULL = os.environ.get("KERAS_MULTIGPU_TEST_FULL") == "1"
 
@@ -151,7 +152,7 @@ def rotated(counts, cases, per_case=2):
     product: more time than CI spends)."""
     if FULL or per_case >= len(counts):
         return [(count, *case) for case in cases for count in counts]
-    engine = ("jax", "tensorflow", "torch").index(keras.backend.backend())
+    engine = ENGINES.index(keras.backend.backend())
     stride = len(counts) // per_case
     return [(counts[(i + engine + j * stride) % len(counts)], *case)
             for i, case in enumerate(cases) for j in range(per_case)]
@@ -202,4 +203,4 @@ def pytest_pyfunc_call(pyfuncitem):
 
 
 __all__ = ["kmg", "classification_data", "assert_weights_close", "cifar_dir", "synthetic_cifar",
-           "engine_gpus", "per_process", "PerProcess", "TORCH_WORLD", "rotated", "FULL"]
+           "engine_gpus", "per_process", "PerProcess", "TORCH_WORLD", "rotated", "FULL", "ENGINES"]

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import keras_multigpu as kmg
-from conftest import FULL
+from conftest import ENGINES, FULL
 
 pytestmark = pytest.mark.slow  # several processes or whole runs: not in the fast loop
 
@@ -313,9 +313,6 @@ def _floatx(dtype):
     finally:
         keras.config.set_floatx(previous)
         keras.config.set_dtype_policy(policy)
-
-
-ENGINES = ("jax", "tensorflow", "torch")
 
 
 def _with_counts(names, rotate=True):

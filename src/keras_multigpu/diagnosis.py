@@ -17,6 +17,7 @@ BUSY_UTILISATION = 70.0
 # An all-reduce estimated at >= 20% of the step: as xprof's highly input-bound, a fifth of
 # the step is where adding devices stops paying (efficiency <= 80% without overlap).
 COMMUNICATION_BOUND = 0.20
+_ON_CPU = "no GPU: the CPU does the work"
 RANK_LAG_FACTOR = 2.0  # a process whose batches take twice the others' holds them back
 
 
@@ -103,7 +104,7 @@ def verdict(steps, timeline, measured="dataset", gpus=0, ranks=None, communicati
                      "devices over a faster link (keras-multigpu devices shows the links)")
     elif input_level in ("no", "moderately") and (not gpus or busy):
         bound = "compute"
-        where = ("no GPU: the CPU does the work" if accelerator == "cpu" else
+        where = (_ON_CPU if accelerator == "cpu" else
                  "GPU utilisation not sampled: NVML unavailable" if accelerator == "gpu" else
                  "no GPU samples") if not gpus else (
             "GPU utilisation " + ", ".join(f"gpu:{d} {u:.0f}%" for d, u in mean.items()))
@@ -117,7 +118,7 @@ def verdict(steps, timeline, measured="dataset", gpus=0, ranks=None, communicati
                          + "; steps may be too small to fill them.")
             fixes.append("a larger batch per device")
     if bound != "compute" and not gpus and accelerator == "cpu":
-        lines.append("no GPU: the CPU does the work.")  # whatever held it back
+        lines.append(f"{_ON_CPU}.")  # whatever held it back
     lagging = None
     if len(mean) > 1 and max(mean.values()) - min(mean.values()) > LAG_POINTS:
         lagging = min(mean, key=mean.get)
