@@ -73,6 +73,13 @@ def test_matrix_covers_the_issue_and_fits_one_device_call():
     planned = sum(r["budget_s"] for r in records) + plan.GROUP_START_S * len(groups)
     # One device call: under 10 minutes with the wheels' install and the report.
     assert planned <= plan.GPU_SIZES["budget"] <= 510
+    # The larger batches run only when --only names them; they too fit the data.
+    beyond = [r for r in plan.sized(plan.matrix(beyond=True), plan.GPU_SIZES, toy=False)
+              if r["id"] not in by_id]
+    assert {r["plan_batch"] for r in beyond} == {4096, 8192}
+    for r in beyond:
+        assert r["steps"] * r["batch"] <= plan.GPU_SIZES["samples"]
+        assert r["steps"] % r["steps_per_execution"] == 0
 
 
 def test_peak_table_and_selection():
