@@ -119,3 +119,28 @@ def test_tf_data_equals_arrays(dense_model, reference):
     np.testing.assert_allclose(logs["loss"], history.history["loss"], rtol=1e-5)
     np.testing.assert_allclose(parallel.predict(dataset(), verbose=0),
                                template.predict(X, verbose=0), atol=1e-6)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow",
+                    reason="tf.data iterators run on the TensorFlow backend only")
+def test_a_generators_calls_leave_no_tf_data_iterator_to_a_later_collection(dense_model):
+    # Keras's epoch iterator and a generator hold each other; the tf.data iterators of such a
+    # call, freed by a later collection mid-trace, each stood the process still for up to a
+    # minute (their autotuning threads' period). The calls must free them as they end.
+    import gc
+
+    def alive():
+        names = {"OwnedIterator", "OwnedMultiDeviceIterator", "DistributedIterator"}
+        return sorted(type(o).__name__ for o in gc.get_objects() if type(o).__name__ in names)
+
+    gc.collect()
+    gc.disable()
+    try:
+        _, parallel, _ = train(dense_model, batches(), validation_data=batches())
+        after_fit = alive()
+        parallel.predict(batches(), verbose=0)
+        parallel.evaluate(batches(), verbose=0)
+        after_all = alive()
+    finally:
+        gc.enable()
+    assert after_fit == [] and after_all == []
