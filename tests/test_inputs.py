@@ -1,5 +1,6 @@
 """Every input Keras accepts gives the same training as NumPy arrays."""
 
+import gc
 import importlib.util
 
 import keras
@@ -127,8 +128,6 @@ def test_a_generators_calls_leave_no_tf_data_iterator_to_a_later_collection(dens
     # Keras's epoch iterator and a generator hold each other; the tf.data iterators of such a
     # call, freed by a later collection mid-trace, each stood the process still for up to a
     # minute (their autotuning threads' period). The calls must free them as they end.
-    import gc
-
     def alive():
         names = {"OwnedIterator", "OwnedMultiDeviceIterator", "DistributedIterator"}
         return sorted(type(o).__name__ for o in gc.get_objects() if type(o).__name__ in names)

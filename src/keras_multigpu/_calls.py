@@ -3,6 +3,7 @@ padded batches by `batching` inside the engine's scope (`Calls`, a mixin as Kera
 `Trainer` is); the calls a mid-epoch resume needs; the callbacks each process runs."""
 
 import contextlib
+import gc
 
 import keras
 
@@ -50,6 +51,7 @@ class Calls:
             class_weight=class_weight, drop_remainder=drop_remainder,
             steps_per_epoch=steps_per_epoch,
         )
+        validation_dataset = None
         if validation_data is not None:
             if isinstance(validation_data, (tuple, list)):
                 val_x, val_y, _ = keras.utils.unpack_x_y_sample_weight(tuple(validation_data))
@@ -93,9 +95,7 @@ class Calls:
             raise
         finally:
             self._fit_dataset = None
-            _close(dataset)
-            if validation_data is not None:
-                _close(validation_dataset)
+            _close(dataset, validation_dataset)
 
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto",
                  sample_weight=None, steps=None, callbacks=None,
@@ -239,7 +239,12 @@ def _readers(callbacks):
     ]
 
 
-def _close(dataset):
-    close = getattr(dataset, "close", None)
-    if close is not None:
-        close()
+def _close(*datasets):
+    """Closes a call's feeds; then, once, frees the tf.data iterators Keras's call left in a
+    reference cycle (see `Feed.leaves_iterators`)."""
+    for dataset in datasets:
+        close = getattr(dataset, "close", None)
+        if close is not None:
+            close()
+    if any(getattr(dataset, "leaves_iterators", False) for dataset in datasets):
+        gc.collect()

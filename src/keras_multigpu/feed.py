@@ -3,7 +3,6 @@ each batch it yields (see `batching`). The order is Keras's: nothing here re-dra
 shuffle; a `Feed` keeps the generators each pass drew from, for an exact resume."""
 
 import concurrent.futures
-import gc
 import warnings
 
 import numpy as np
@@ -321,20 +320,24 @@ class Feed(data_adapters.data_adapter.DataAdapter):
                 set_global_generators(state["now"], self._set_engine_state)
 
     def close(self):
-        """Ends the prefetch thread, if any (a later pass starts it again), and frees the
-        tf.data iterators a generator's call leaves behind."""
+        """Ends the prefetch thread, if any (a later pass starts it again)."""
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
             self._executor = None
-        generator = isinstance(self.inner, data_adapters.GeneratorDataAdapter)
-        if self._inner_tf is not None and generator:
-            # Over a generator, Keras's TensorFlow epoch iterator and its Python generator
-            # hold each other: the call's tf.data iterators outlive it, in a reference
-            # cycle. Freed by a later collection, which may run mid-trace in any thread,
-            # each one's destructor waits out its autotuning thread's period (which grows
-            # to a minute) while holding the GIL: the whole process stood still for 2-3
-            # minutes. Freed now, while those periods are short (0.2 s here, measured).
-            gc.collect()
+
+    @property
+    def leaves_iterators(self):
+        """Whether Keras's TensorFlow call over this feed left its tf.data iterators alive.
+
+        Over a generator, Keras's TensorFlow epoch iterator and its Python generator hold
+        each other: the call's tf.data iterators outlive it, in a reference cycle. Freed by
+        a later collection, which may run mid-trace in any thread, each one's destructor
+        waits out its autotuning thread's period (which grows to a minute) while holding
+        the GIL: the whole process stood still for 2-3 minutes. The call's end frees them
+        (`_calls._close`), while those periods are short (0.2 s here, measured).
+        """
+        return (self._inner_tf is not None
+                and isinstance(self.inner, data_adapters.GeneratorDataAdapter))
 
 
 class _Passes:
