@@ -196,13 +196,20 @@ def scope(distribution):
 # -- variables ------------------------------------------------------------
 
 
-def _aggregation(variable):
+def _distributed_as(variable, optimizer_owned):
+    """(aggregation, synchronization) of the variable's distributed twin."""
     aggregation = variable._map_aggregation(variable.aggregation)
+    synchronization = variable._map_synchronization(variable.synchronization)
     if aggregation == tf.VariableAggregation.NONE and not variable.trainable:
-        # Assigned inside replicas (BatchNormalization statistics, seed
-        # states): every replica computes the same value; take the first's.
-        return tf.VariableAggregation.ONLY_FIRST_REPLICA
-    return aggregation
+        # Assigned inside replicas, where every replica computes the same value:
+        # take the first's. A model's own (BatchNormalization statistics, seed
+        # states) keeps a copy per replica, each assigned where it is computed and
+        # read from the first: no broadcast a step. An optimizer's stays mirrored
+        # (its apply updates it across replicas).
+        aggregation = tf.VariableAggregation.ONLY_FIRST_REPLICA
+        if not optimizer_owned:
+            synchronization = tf.VariableSynchronization.ON_READ
+    return aggregation, synchronization
 
 
 def _mirrored_for(value, strategy):
@@ -236,6 +243,7 @@ def replicate(variables, distribution, optimizers=()):
     if _is_default(strategy):
         return  # one device, no strategy: the variables train as they are
     swapped = False
+    owned = {id(v) for optimizer in optimizers for v in optimizer.variables}
     for variable in variables:
         value = variable._value
         if value is None:
@@ -248,12 +256,11 @@ def replicate(variables, distribution, optimizers=()):
             variable._keras_multigpu_plain = value
         current = _as_tensor(value)
         if mirrored is None:
+            aggregation, synchronization = _distributed_as(variable, id(variable) in owned)
             with strategy.scope():
-                mirrored = tf.Variable(
-                    current, trainable=variable.trainable, name=variable.name,
-                    aggregation=_aggregation(variable),
-                    synchronization=variable._map_synchronization(variable.synchronization),
-                )
+                mirrored = tf.Variable(current, trainable=variable.trainable,
+                                       name=variable.name, aggregation=aggregation,
+                                       synchronization=synchronization)
             mirrors[strategy] = mirrored
         else:
             with strategy.scope():

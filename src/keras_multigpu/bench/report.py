@@ -100,7 +100,7 @@ def _host_table(rows, extra=False):
 
 def _format_collectives(results):
     """The per-step communication of the setups that count it: torch's process groups,
-    and JAX's compiled steps."""
+    JAX's compiled steps and TensorFlow's traced steps."""
     rows = {name: row for name, row in results["table"].items()
             if row.get("collectives_per_step") is not None}
     if not rows:
@@ -108,7 +108,8 @@ def _format_collectives(results):
     lines = ["", "Collectives per step (torch.distributed: counted in rank 0 over the first fit "
                  "call, DDP's buckets from its logging data; store: exchanges through the "
                  "process group's store. JAX: in the compiled step's optimised HLO, after XLA "
-                 "combined them):",
+                 "combined them. TensorFlow: the strategy's reductions and broadcasts "
+                 "traced into the step):",
              f"{'setup':16}{'dev':>4}{'collectives':>13}{'KiB':>10}{'store':>8}"]
     for name, row in rows.items():
         store = row["store_exchanges_per_step"]

@@ -226,6 +226,62 @@ class CollectiveCounter:
             self.on = False
 
 
+class TracedCollectives:
+    """Counts the cross-device reductions and broadcasts a TensorFlow strategy puts into
+    the traced training step (`one_step_on_data`), and the bytes of one replica's values.
+
+    tf.distribute's `CrossDeviceOps.reduce`, `batch_reduce` and `broadcast` are wrapped
+    (the entry points of every strategy's communication, whatever implements it: NCCL on
+    GPUs, through one device on CPUs); each call while the step's graph is traced is one
+    collective a step runs. A step traced again (another input shape) counts once: the
+    graph with the most. Eager calls (placing, reading variables) are not per step.
+    """
+
+    STEP = "one_step_on_data"
+
+    def __init__(self):
+        import tensorflow as tf
+        from tensorflow.python.distribute import cross_device_ops
+
+        self._tf = tf
+        self.graphs = {}  # id(graph): [collectives, bytes]
+        self._inside = 0  # one collective may run another (a reduction to one device
+        # broadcasts its result): only the outermost counts
+        base = cross_device_ops.CrossDeviceOps
+        for name, values in (("reduce", lambda a: [a[1]]),
+                             ("batch_reduce", lambda a: [v for v, _ in a[1]]),
+                             ("broadcast", lambda a: [a[0]])):
+            setattr(base, name, self._counted(getattr(base, name), values))
+
+    def _counted(self, function, values):
+        def counted(ops, *args, **kwargs):
+            graph = self._tf.compat.v1.get_default_graph()
+            if getattr(graph, "name", None) == self.STEP and not self._inside:
+                entry = self.graphs.setdefault(id(graph), [0, 0])
+                entry[0] += 1
+                entry[1] += sum(self._bytes(v) for v in values(args))
+            self._inside += 1
+            try:
+                return function(ops, *args, **kwargs)
+            finally:
+                self._inside -= 1
+        return counted
+
+    def _bytes(self, value):
+        if isinstance(value, self._tf.distribute.DistributedValues):
+            value = value.values[0]  # one replica's part
+        if isinstance(value, self._tf.IndexedSlices):
+            value = value.values
+        shape = getattr(value, "shape", None)
+        if shape is None or not shape.is_fully_defined():
+            return 0
+        return shape.num_elements() * value.dtype.size
+
+    def per_step(self):
+        """(collectives, bytes) of the traced step, or (0, 0) when it traced none."""
+        return tuple(max(self.graphs.values(), default=(0, 0)))
+
+
 def time_fit_calls(model, x, y, batch, samples, calls, epochs, compiles=None):
     """Times `calls` complete `model.fit` calls of `epochs` epochs each.
 
@@ -289,6 +345,7 @@ def measure(spec):
     fit_calls, fit_epochs = spec.get("fit_calls", 0), spec.get("fit_epochs", 1)
     compiles = CompileCounter() if setup.backend == "jax" else None
     collectives = CollectiveCounter() if setup.engine in setups.RANKED else None
+    traced = TracedCollectives() if setup.backend == "tensorflow" else None
 
     def fit(model):
         counting = contextlib.nullcontext() if collectives is None else collectives.counting()
@@ -327,6 +384,9 @@ def measure(spec):
             "collectives_per_step": collectives.count / fit_steps + buckets,
             "collective_kb_per_step": (collectives.bytes / fit_steps + bucket_bytes) / 1024,
             "store_exchanges_per_step": collectives.store / fit_steps}
+    if traced is not None:  # what the traced step runs; no store on TensorFlow
+        count, size = traced.per_step()
+        per_step = {"collectives_per_step": count, "collective_kb_per_step": size / 1024}
     return {
         "setup": setup.name, "engine": setup.engine, "devices": setup.devices,
         "global_batch": batch, "samples": samples, "steps_per_epoch": steps,
