@@ -150,7 +150,10 @@ def test_a_run_killed_mid_epoch_resumes_to_the_uninterrupted_weights(
     _check_resumed(tmp_path, _whole(tmp_path_factory, backend), resumed)
 
 
-@pytest.mark.parametrize("backend", ["jax", "tensorflow", "torch"])
+# (Not torch: its launched processes resume through the same Checkpoint as after the
+# mid-epoch kill above, and the epoch's order is Keras's on every engine; the test's two
+# launches there cost CI 34-49 s.)
+@pytest.mark.parametrize("backend", ["jax", "tensorflow"])
 def test_a_run_killed_after_an_epoch_resumes_to_the_uninterrupted_weights(
         tmp_path, tmp_path_factory, backend):
     """Checkpoints at epoch ends only (the default): the next epoch draws the order the
