@@ -15,9 +15,9 @@
 #   with TensorFlow's several-worker tests (tests/test_multihost_tf.py); then the launcher's
 #   own tests (tests/test_launch.py, on JAX).
 # The split keeps the two streams near the same length. The widest sweeps run a rotation:
-# each real program on two of the three engines, and each case of the device-count sweeps
-# at some of the counts (tests/conftest.py's `rotated`); KERAS_MULTIGPU_TEST_FULL=1 runs
-# every pair (about 1.5 times as long).
+# each real program on one of the three engines (tests/test_programs.py's `ENGINE`), and each
+# case of the device-count sweeps at some of the counts (tests/conftest.py's `rotated`);
+# KERAS_MULTIGPU_TEST_FULL=1 runs every pair (run it after a change to an engine).
 # pytest exits non-zero when a test fails and 5 when no test ran; either fails
 # this script.
 set -euo pipefail
