@@ -259,7 +259,10 @@ class TracedCollectives:
             if getattr(graph, "name", None) == self.STEP and not self._inside:
                 entry = self.graphs.setdefault(id(graph), [0, 0])
                 entry[0] += 1
-                entry[1] += sum(self._bytes(v) for v in values(args))
+                try:
+                    entry[1] += sum(self._bytes(v) for v in values(args))
+                except (IndexError, TypeError, ValueError):  # passed by keyword: not sized
+                    pass
             self._inside += 1
             try:
                 return function(ops, *args, **kwargs)
