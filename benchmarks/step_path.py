@@ -5,9 +5,11 @@ through, from `fit` to the engine and back) is at most 700 lines in at most 6 fi
 measures it rather than estimating it: Python's profiler hook records each function of the
 `keras_multigpu` package that runs during one `fit` call (two epochs of a small model with
 BatchNormalization and dropout, a batch that divides neither the device count nor the data,
-sample weights, a metric and validation), after the model is wrapped and compiled. A
-function's lines are its source lines (`inspect.getsourcelines`), counted once however often
-it runs; a traced step (JAX, TensorFlow) runs its Python once, while it is traced.
+sample weights, a metric and validation), after the model is wrapped and compiled. A file's
+lines are the distinct source lines of its functions that ran (`inspect.getsourcelines` for a
+function; for a comprehension, generator expression or lambda, the lines its code spans), each
+line counted once however often it runs and however many functions nest it; a traced step
+(JAX, TensorFlow) runs its Python once, while it is traced.
 
     KERAS_BACKEND=jax python benchmarks/step_path.py          # 2 virtual devices
     KERAS_BACKEND=tensorflow python benchmarks/step_path.py
@@ -65,17 +67,19 @@ def main():
     finally:
         sys.setprofile(None)
         threading_profile(None)
-    files = collections.defaultdict(lambda: [0, 0])
+    functions = collections.Counter()
+    lines = collections.defaultdict(set)
     for code in seen:
-        try:
-            lines = len(inspect.getsourcelines(code)[0])
-        except (OSError, TypeError):
-            continue
         if code.co_name == "<module>":
             continue
-        entry = files[os.path.relpath(code.co_filename, PACKAGE)]
-        entry[0] += 1
-        entry[1] += lines
+        try:
+            span = source_lines(code)
+        except (OSError, TypeError):
+            continue
+        name = os.path.relpath(code.co_filename, PACKAGE)
+        functions[name] += 1
+        lines[name].update(span)
+    files = {name: (functions[name], len(lines[name])) for name in functions}
     if processes.rank() != 0:
         return
     print(f"The step path on {keras.backend.backend()} ({parallel.num_replicas} devices): "
@@ -85,6 +89,21 @@ def main():
         print(f"{name:40} {functions:9d} {lines:6d}")
     print(f"{'total: ' + str(len(files)) + ' files':40} "
           f"{sum(f for f, _ in files.values()):9d} {sum(n for _, n in files.values()):6d}")
+
+
+def source_lines(code):
+    """The line numbers of a function's source, or of the lines a nested expression spans.
+
+    A generator expression, comprehension or lambda has no block of its own:
+    `inspect.getsourcelines` would read on from its first line to the end of whatever block
+    holds it, so it is measured by its own code's line table instead. Its lines lie inside
+    the function that made it, so the union counts them once.
+    """
+    if code.co_name.startswith("<"):
+        numbers = [line for _, _, line in code.co_lines() if line]
+        return range(min(numbers + [code.co_firstlineno]), max(numbers) + 1)
+    source, start = inspect.getsourcelines(code)
+    return range(start, start + len(source))
 
 
 def threading_profile(function):
