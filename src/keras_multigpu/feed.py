@@ -173,7 +173,16 @@ class Feed(data_adapters.data_adapter.DataAdapter):
                 tensor.set_shape(s.shape)
             return tree.pack_sequence_as(out_spec, out)
 
-        return dataset.map(mapped)
+        dataset = dataset.map(mapped)
+        if not isinstance(self.inner, data_adapters.TFDatasetAdapter):
+            # A pipeline Keras made (arrays, PyDataset, a generator), whose options no user
+            # set: without autotuning, dropping its iterator each epoch does not wait for
+            # the autotuning thread (see `_tf_rules.without_autotune`). A user's tf.data
+            # dataset keeps its own options.
+            options = tf.data.Options()
+            options.autotune.enabled = False
+            dataset = dataset.with_options(options)
+        return dataset
 
     # -- the passes -----------------------------------------------------------
 

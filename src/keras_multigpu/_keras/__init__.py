@@ -91,7 +91,7 @@ COMMON = {
     # The data adapters' package, whose own imports bring its modules.
     "keras.src.trainers.data_adapters": (
         "get_data_adapter", "data_adapter.DataAdapter", "GeneratorDataAdapter",
-        "PyDatasetAdapter", "data_adapter_utils.class_weight_to_sample_weights",
+        "PyDatasetAdapter", "TFDatasetAdapter", "data_adapter_utils.class_weight_to_sample_weights",
         "data_adapter_utils.get_tensor_spec"),
     "keras.src.utils.io_utils": ("print_msg",),
 }

@@ -15,7 +15,7 @@ from keras import tree
 
 from keras_multigpu import _keras, rules
 from keras_multigpu._keras import loss_module
-from keras_multigpu._keras.tensorflow import DRAWS
+from keras_multigpu._keras.tensorflow import DRAWS, device_datasets
 from keras_multigpu._keras.tensorflow import optimizer as tf_optimizer
 from keras_multigpu._keras.tensorflow import random as tf_random
 from keras_multigpu._keras.tensorflow import trainer as tf_trainer
@@ -233,8 +233,29 @@ def _rules_table():
 
 
 def _process_rules_table(workers):
-    """Rules that act outside the replicas, with several workers only."""
-    return [(tf_trainer, "reduce_per_replica", _reduce_per_replica, lambda: workers)]
+    """Rules that act outside the replicas: with several workers, Keras's scalar reduction;
+    on every call, the per-device pipelines without autotuning (`without_autotune`)."""
+    table = [(tf_trainer, "reduce_per_replica", _reduce_per_replica, lambda: workers)]
+    if device_datasets is not None:
+        table.append((device_datasets, "_create_device_dataset", without_autotune,
+                      lambda: True))
+    return table
+
+
+NO_AUTOTUNE = tf.data.Options()
+NO_AUTOTUNE.autotune.enabled = False
+
+
+def without_autotune(_, original, *args, **kwargs):
+    """One device's pipeline of a distributed dataset, without tf.data's autotuning.
+
+    Keras makes a new iterator every epoch, and dropping the last one waits for the
+    autotuning thread of each pipeline to wake from its sleep, which doubles up to a
+    minute: TensorFlow stood still for 0.7 to 11 s at epoch starts and at the end of `fit`
+    (benchmarks/tf_epoch_gaps.py). A device's pipeline (a generator and a prefetch of a fixed
+    size) has nothing to tune, and it takes no options from the dataset it reads.
+    """
+    return original(*args, **kwargs).with_options(NO_AUTOTUNE)
 
 
 _installed = threading.local()
