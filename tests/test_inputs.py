@@ -124,6 +124,33 @@ def test_tf_data_equals_arrays(dense_model, reference):
 
 @pytest.mark.skipif(keras.backend.backend() != "tensorflow",
                     reason="tf.data iterators run on the TensorFlow backend only")
+def test_the_iterators_a_call_drops_have_no_autotuning_to_wait_for(dense_model, monkeypatch):
+    # Keras drops each epoch's tf.data iterators; each waited for its autotuning thread's
+    # sleep (up to a minute) and stood TensorFlow still, 0.7-11 s a time. The pipelines Keras
+    # makes for the call run without autotuning: MirroredStrategy's per device, and ours,
+    # which one device iterates itself (with several, TensorFlow's C++ iterates it).
+    import tensorflow as tf
+    from tensorflow.python.data.ops import iterator_ops
+
+    made = []
+    init = iterator_ops.OwnedIterator.__init__
+
+    def recording(self, dataset=None, **kwargs):
+        if dataset is not None:  # an unset option reads None: autotuning on
+            made.append(dataset.options().autotune.enabled is False)
+        return init(self, dataset, **kwargs)
+
+    monkeypatch.setattr(iterator_ops.OwnedIterator, "__init__", recording)
+    user = tf.data.Dataset.from_tensor_slices((X, Y)).batch(BATCH)
+    for gpus, data, kwargs in [(4, X, {"y": Y, "batch_size": BATCH}), (4, user, {}),
+                               (1, X, {"y": Y, "batch_size": BATCH})]:
+        made.clear()
+        train(dense_model, data, gpus=gpus, epochs=2, **kwargs)
+        assert made and all(made), (gpus, made)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow",
+                    reason="tf.data iterators run on the TensorFlow backend only")
 def test_a_generators_calls_leave_no_tf_data_iterator_to_a_later_collection(dense_model):
     # Keras's epoch iterator and a generator hold each other; the tf.data iterators of such a
     # call, freed by a later collection mid-trace, each stood the process still for up to a
