@@ -13,9 +13,10 @@ own process, 3 calls after the first (which traces).
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
+
+import _children
 
 KINDS = ("ours", "mirrored")
 
@@ -84,20 +85,12 @@ def main(argv=None):
     parser.add_argument("--child", choices=KINDS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print("RESULT " + json.dumps(child(args.child, args.width, args.samples, args.calls)))
+        _children.report(child(args.child, args.width, args.samples, args.calls))
         return 0
     env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="2",
                KERAS_MULTIGPU_CPU_DEVICES="2")
-    results = []
-    for kind in KINDS:
-        done = subprocess.run([sys.executable, __file__, "--child", kind, "--width",
-                               str(args.width), "--samples", str(args.samples), "--calls",
-                               str(args.calls)], env=env, capture_output=True, text=True)
-        lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-        if done.returncode or not lines:
-            sys.stderr.write(done.stderr[-3000:])
-            raise SystemExit(f"the {kind} run failed (exit {done.returncode})")
-        results.append(json.loads(lines[-1][len("RESULT "):]))
+    results = _children.run(__file__, KINDS, ["--width", args.width, "--samples",
+                                              args.samples, "--calls", args.calls], env)
     print(f"{'setup':9} {'call s':>7} {'steps s':>8} {'epoch-begin waits s':>20} "
           f"{'after end s':>12}")
     for result in results:

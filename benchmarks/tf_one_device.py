@@ -10,9 +10,10 @@ import argparse
 import contextlib
 import json
 import os
-import subprocess
 import sys
 import time
+
+import _children
 
 KINDS = ("plain", "one_device_strategy", "mirrored_strategy", "ours")
 
@@ -51,18 +52,11 @@ def main(argv=None):
     parser.add_argument("--child", choices=KINDS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print("RESULT " + json.dumps(child(args.child, args.width, args.samples, args.batch)))
+        _children.report(child(args.child, args.width, args.samples, args.batch))
         return 0
     env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="2")
-    rows = []
-    for kind in KINDS:
-        done = subprocess.run([sys.executable, __file__, "--child", kind, "--width",
-                               str(args.width), "--samples", str(args.samples), "--batch",
-                               str(args.batch)], env=env, capture_output=True, text=True)
-        line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
-        if line is None:
-            raise SystemExit(f"{kind} failed:\n{done.stderr[-3000:]}")
-        rows.append(json.loads(line[len("RESULT "):]))
+    rows = _children.run(__file__, KINDS, ["--width", args.width, "--samples", args.samples,
+                                           "--batch", args.batch], env)
     plain = rows[0]["images_per_second"]
     print(f"{'fit on one device':22}{'images/s':>10}{'x plain':>9}")
     for row in rows:

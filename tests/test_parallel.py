@@ -116,6 +116,30 @@ def test_padded_batchnorm_steps_stay_finite(conv_bn_model, num_samples, batch_si
     assert np.all(np.isfinite(parallel.predict(x, verbose=0)))
 
 
+def test_every_convolution_kind_trains_with_a_device_left_empty():
+    """A replica dealt no rows convolves zero rows. TensorFlow's CPU convolution (oneDNN,
+    AVX-512) gave them its input's shape, and the next layer failed."""
+    keras.utils.set_random_seed(0)
+    x, y = classification_data(2, features=(8, 8, 3))
+    template = keras.Sequential([
+        keras.Input((8, 8, 3)),
+        keras.layers.Conv2D(4, 3, padding="same"),
+        keras.layers.DepthwiseConv2D(3, depth_multiplier=2, padding="same"),
+        keras.layers.SeparableConv2D(5, 3, padding="same"),
+        keras.layers.Reshape((64, 5)),
+        keras.layers.Conv1D(3, 3),
+        keras.layers.GlobalAveragePooling1D(),
+        keras.layers.Dense(3, activation="softmax"),
+    ])
+    reference = keras.models.clone_model(template)
+    reference.set_weights(template.get_weights())
+    compile_sgd(reference).fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0)
+    parallel = compile_sgd(kmg.multi_gpu_model(template, gpus=engine_gpus(3)))
+    parallel.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0)
+    assert_weights_close(reference.get_weights(), template.get_weights())
+    assert parallel.predict(x, verbose=0).shape == (2, 3)
+
+
 def test_template_is_the_trained_model(dense_model):
     x, y = classification_data(40)
     template = dense_model()

@@ -69,7 +69,9 @@ _MISSING = object()
 # tables): loss_module.{reduce_values, apply_mask, scale/unscale_loss_for_distribution},
 # Trainer._aggregate_additional_loss, Layer.{add_loss, _get_own_losses, _clear_losses},
 # Mean.update_state, BatchNormalization._moments, Optimizer.apply, each Metric's
-# result; patched for the process: every alias of keras.saving.{save_model, save_weights}
+# result; on TensorFlow, where its CPU convolutions misshape an empty batch,
+# backend.nn.{conv, depthwise_conv, separable_conv}; patched for the process: every alias
+# of keras.saving.{save_model, save_weights}
 # (see `processes`). Where Keras offers the class or function publicly (keras.layers,
 # keras.metrics, keras.saving, keras.StatelessScope, keras.ops.is_tensor), it is taken from
 # there, and only its private attributes are checked here.
@@ -81,7 +83,8 @@ PUBLIC = {
     "keras.saving": ("save_model", "save_weights"),
 }
 COMMON = {
-    "keras.src.backend": ("in_stateless_scope", "common.global_state.get_global_attribute"),
+    "keras.src.backend": ("in_stateless_scope", "common.global_state.get_global_attribute",
+                          "nn.conv", "nn.depthwise_conv", "nn.separable_conv"),
     "keras.src.losses.loss": ("reduce_values", "apply_mask", "scale_loss_for_distribution",
                               "unscale_loss_for_distribution",
                               "squeeze_or_expand_to_same_rank"),
@@ -91,8 +94,8 @@ COMMON = {
     # The data adapters' package, whose own imports bring its modules.
     "keras.src.trainers.data_adapters": (
         "get_data_adapter", "data_adapter.DataAdapter", "GeneratorDataAdapter",
-        "PyDatasetAdapter", "TFDatasetAdapter", "data_adapter_utils.class_weight_to_sample_weights",
-        "data_adapter_utils.get_tensor_spec"),
+        "PyDatasetAdapter", "TFDatasetAdapter",
+        "data_adapter_utils.class_weight_to_sample_weights", "data_adapter_utils.get_tensor_spec"),
     "keras.src.utils.io_utils": ("print_msg",),
 }
 

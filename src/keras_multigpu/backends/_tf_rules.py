@@ -7,6 +7,7 @@ several workers, Keras's scalar reduction across them.
 """
 
 import contextlib
+import functools
 import threading
 
 import keras
@@ -218,8 +219,37 @@ def _reduce_per_replica(replica, original, values, strategy, reduction):
     return tree.map_structure(reduce, values)
 
 
+@functools.cache
+def _empty_convolution_misshaped():
+    """Whether TensorFlow's CPU convolution gives an empty batch the wrong shape.
+
+    With oneDNN (x86 CPUs with AVX-512, TensorFlow 2.20 and 2.21), a convolution of zero
+    rows returns its input's shape: (0, 16, 3) for 8 filters. A replica dealt no rows
+    (a batch smaller than the device count) then fails at the next layer.
+    """
+    with tf.device("/cpu:0"):
+        out = tf.nn.convolution(tf.zeros((0, 4, 3)), tf.zeros((3, 3, 2)), padding="SAME")
+    return out.shape[-1] != 2
+
+
+def _any_rows(replica, original, inputs, *args, **kwargs):
+    """Keras's convolution `original`, shaped right for a replica with no rows too: on
+    zero rows it convolves one row of zeros and keeps none of it."""
+    inputs = tf.convert_to_tensor(inputs)
+
+    def one_row():
+        padded = tf.pad(inputs, [[0, 1]] + [[0, 0]] * (inputs.shape.rank - 1))
+        return original(padded, *args, **kwargs)[:0]
+
+    return tf.cond(tf.shape(inputs)[0] > 0, lambda: original(inputs, *args, **kwargs),
+                   one_row)
+
+
 def _rules_table():
+    convolutions = ("conv", "depthwise_conv", "separable_conv")
     return [
+        *((_keras.backend.nn, name, _any_rows, _step) for name in convolutions
+          if _empty_convolution_misshaped()),
         (tf_optimizer.TFOptimizer, "apply", _apply, _step),
         (tf_optimizer.TFOptimizer, "_all_reduce_sum_gradients", _all_reduce_sum, _step),
         (tf_optimizer.TFOptimizer, "_backend_apply_gradients", _apply_gradients, _step),
