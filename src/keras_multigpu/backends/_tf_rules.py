@@ -247,9 +247,10 @@ def _any_rows(replica, original, inputs, *args, **kwargs):
 
 def _rules_table():
     convolutions = ("conv", "depthwise_conv", "separable_conv")
+    if not _empty_convolution_misshaped():
+        convolutions = ()
     return [
-        *((_keras.backend.nn, name, _any_rows, _step) for name in convolutions
-          if _empty_convolution_misshaped()),
+        *((_keras.backend.nn, name, _any_rows, _step) for name in convolutions),
         (tf_optimizer.TFOptimizer, "apply", _apply, _step),
         (tf_optimizer.TFOptimizer, "_all_reduce_sum_gradients", _all_reduce_sum, _step),
         (tf_optimizer.TFOptimizer, "_backend_apply_gradients", _apply_gradients, _step),
