@@ -538,6 +538,42 @@ def test_the_gradient_all_reduce_overlaps_the_backward_pass(gpus, step):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=ATOL)
 
 
+
+@pytest.mark.skipif(BACKEND != "torch", reason="Keras's torch tree (torch's pytree)")
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_a_steps_activations_are_freed_without_the_garbage_collector(gpus):
+    """Keras 3.15's torch tree left every layer's inputs in a reference cycle (torch's
+    `tree_flatten` holds its `is_leaf`, and Keras's refers to the structure): a step's
+    activations stayed alive until a collection, and slowed every epoch. In our calls, a
+    step leaves no tensor for the collector, on any Keras."""
+    import gc
+
+    import torch
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    branches = [keras.layers.Dense(4, activation="relu")(inputs) for _ in range(2)]
+    hidden = keras.layers.Concatenate()(branches)  # a layer whose inputs are a list
+    model = keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(hidden))
+    parallel = kmg.multi_gpu_model(model, gpus=gpus)
+    _compile(parallel)
+    x, y = _data(40)
+    parallel.fit(x, y, batch_size=10, epochs=1, verbose=0)  # built, compiled
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection frees stays in gc.garbage
+    try:
+        parallel.fit(x, y, batch_size=10, epochs=2, verbose=0)
+        parallel.predict(x, batch_size=10, verbose=0)
+        gc.collect()
+        tensors = [o for o in gc.garbage if isinstance(o, torch.Tensor)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert tensors == [], f"{len(tensors)} tensors were left to the garbage collector"
+
+
 @pytest.mark.ranks(3)
 def test_callbacks_checkpoint_and_early_stopping(tmp_path):
     path = str(tmp_path / "best.keras")

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from keras import tree
 
 from keras_multigpu import interrupt, launch, rules
-from keras_multigpu._keras.torch import DRAWS
+from keras_multigpu._keras.torch import DRAWS, cycle_free_tree
 from keras_multigpu._keras.torch import random as torch_random
 from keras_multigpu.backends._marker import tag, untag  # noqa: F401 (the seam's names)
 from keras_multigpu.backends._torch_group import (
@@ -353,10 +353,18 @@ _installed = threading.local()
 def scope(distribution):
     """Installs the rules for the duration (nested scopes install them once).
 
-    With one process there is nothing to do. The rules act only inside a
+    With one process there are no rules to install. The rules act only inside a
     step run by `run_step` (metrics: inside the call) and defer to Keras's
-    own code everywhere else.
+    own code everywhere else. With any count, Keras's torch tree frees each step's
+    activations as the step ends (`cycle_free_tree`).
     """
+    with cycle_free_tree():
+        with _rules_scope(distribution):
+            yield
+
+
+@contextlib.contextmanager
+def _rules_scope(distribution):
     if not _active(distribution) or getattr(_installed, "engine", None) is not None:
         yield
         return
