@@ -36,12 +36,13 @@ class _CycleFreeTree(types.ModuleType):
 
     def __init__(self, original):
         super().__init__(original.__name__)
+        # torch's own names (functions, and the registry dict itself, shared), looked up as
+        # fast as in torch's module: Keras's tree reads several of them for every node.
+        vars(self).update({k: v for k, v in vars(original).items() if not k.startswith("__")})
         self._original = original
+        self.tree_flatten = self._tree_flatten
 
-    def __getattr__(self, name):
-        return getattr(self._original, name)
-
-    def tree_flatten(self, tree, is_leaf=None):
+    def _tree_flatten(self, tree, is_leaf=None):
         if is_leaf is None:
             return self._original.tree_flatten(tree)
         held = [is_leaf]  # emptied on return: the cycle torch leaves holds nothing of ours
