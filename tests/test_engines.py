@@ -538,7 +538,6 @@ def test_the_gradient_all_reduce_overlaps_the_backward_pass(gpus, step):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=ATOL)
 
 
-
 @pytest.mark.skipif(BACKEND != "torch", reason="Keras's torch tree (torch's pytree)")
 @pytest.mark.parametrize("gpus", [1, 2])
 def test_a_steps_activations_are_freed_without_the_garbage_collector(gpus):
