@@ -8,7 +8,7 @@ import os
 import pytest
 
 from keras_multigpu import _xla, bench, cli
-from keras_multigpu.bench import scaling, setups, worker
+from keras_multigpu.bench import harness, scaling, setups, worker
 
 pytestmark = pytest.mark.slow  # several processes or whole runs: not in the fast loop
 
@@ -44,6 +44,30 @@ def test_worker_environment_sets_devices_and_backend():
     # Every JAX setup gets the raised collective timeouts ours gets (where jaxlib has them).
     assert env["XLA_FLAGS"] == _xla.virtual_device_flags(3, "--other")
     assert bench.Setup("mirrored", 2).environment({}, virtual=True)["KERAS_BACKEND"] == "tensorflow"
+
+
+def test_next_keras_setups_run_on_the_next_keras():
+    """keras_dp_torch and its own references, plain Keras and the ceiling on the next Keras,
+    put the folder NEXT_KERAS_ENV names first on their path; ours and the others do not."""
+    base = {setups.NEXT_KERAS_ENV: "/next", "PYTHONPATH": "/mine"}
+    ceiling = bench.parse("independent_next_torch-2")
+    assert ceiling.processes == 2 and ceiling.worker == bench.Setup("plain_next_torch", 1)
+    for name in ("keras_dp_torch-2", "plain_next_torch-1", "independent_next_torch-2"):
+        env = bench.parse(name).worker.environment(base, virtual=True)
+        assert env["PYTHONPATH"] == os.pathsep.join(["/next", "/mine"]), name
+        assert env["KERAS_BACKEND"] == "torch"
+    for name in ("ours_torch-2", "plain_torch-1", "ddp_torch-2"):
+        assert bench.parse(name).environment(base, virtual=True)["PYTHONPATH"] == "/mine"
+    table = {name: {"images_per_second": {"median": speed}} for name, speed in (
+        ("plain_torch-1", 100.0), ("plain_next_torch-1", 110.0),
+        ("keras_dp_torch-2", 180.0), ("independent_next_torch-2", 200.0))}
+    table["keras_dp_torch-2"]["engine"] = "keras_dp_torch"
+    table["keras_dp_torch-2"]["devices"] = 2
+    for name in ("plain_torch-1", "plain_next_torch-1", "independent_next_torch-2"):
+        table[name].update(engine=bench.parse(name).engine, devices=bench.parse(name).devices)
+    assert harness._ratios(table, "images_per_second") == {
+        "plain_next_torch-1 / plain_torch-1": 1.1,
+        "keras_dp_torch-2 / independent_next_torch-2": 0.9}
 
 
 def test_tensorflow_setups_get_their_devices():
@@ -111,7 +135,7 @@ def test_tiny_torch_run(tmp_path):
         ran.add("keras_dp_torch-2")
         assert "ours_torch-2 / keras_dp_torch-2" in results["ratios"]
     else:
-        assert "needs a Keras with a torch DataParallel" in results["skipped"]["keras_dp_torch-2"]
+        assert "needs the next Keras" in results["skipped"]["keras_dp_torch-2"]
     assert set(results["table"]) == ran
     raw = results["raw"]["ours_torch-2"][0]
     assert raw["global_batch"] == 64 and len(raw["processes"]) == 2

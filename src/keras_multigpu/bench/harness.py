@@ -143,6 +143,9 @@ def _ratios(table, figure):
     ratio("ours-1", "plain-1")
     ratio("ours_tf-1", "plain_tf-1")
     ratio("ours_torch-1", "plain_torch-1")
+    # The next Keras's own speed, and its DataParallel against its own ceiling: what part
+    # of ours' ratio to that DataParallel is the Keras version's rather than the engine's.
+    ratio("plain_next_torch-1", "plain_torch-1")
     for name, row in table.items():
         if row["engine"] == "ours" and row["devices"] > 1:
             ratio(name, "ours-1")
@@ -158,6 +161,8 @@ def _ratios(table, figure):
             ratio(name, f"ddp_torch-{row['devices']}")
             ratio(name, f"keras_dp_torch-{row['devices']}")
             ratio(name, f"independent_torch-{row['devices']}")
+        if row["engine"] == "keras_dp_torch":
+            ratio(name, f"independent_next_torch-{row['devices']}")
     return ratios
 
 

@@ -14,8 +14,11 @@ from keras_multigpu.devices import CPU_DEVICES_ENV
 
 XLA_DEVICE_FLAG = _xla.DEVICE_COUNT_FLAG
 # A folder holding a Keras with a torch `DataParallel` (the next Keras: `pip install
-# --no-deps --target DIR ../shared/keras-next/keras-*.whl`), for keras_dp_torch alone.
+# --no-deps --target DIR ../shared/keras-next/keras-*.whl`), for the setups on it.
 NEXT_KERAS_ENV = "KERAS_MULTIGPU_NEXT_KERAS"
+# The setups that run on the next Keras: its `DataParallel`, and plain Keras and the
+# ceiling on that Keras, which say how much of a gap to it is the Keras version's own.
+NEXT_KERAS_ENGINES = ("keras_dp_torch", "plain_next_torch", "independent_next_torch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +39,8 @@ class Setup:
             the next Keras's own torch `DataParallel` (DDP inside Keras's torch
             trainer), from the Keras that NEXT_KERAS_ENV names. ours_torch,
             ddp_torch and keras_dp_torch run one process per device (`RANKED`).
+            "plain_next_torch" and "independent_next_torch" are plain Keras and
+            the ceiling on that next Keras: keras_dp_torch's own references.
         devices: replicas; the global batch is devices x batch per device.
     """
 
@@ -75,7 +80,7 @@ class Setup:
         if self.backend == "torch" and virtual and self.processes > 1:
             # The processes share the cores alike, ours, DDP's and the independent ones.
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.processes))
-        if self.engine == "keras_dp_torch":
+        if self.engine in NEXT_KERAS_ENGINES:
             env["PYTHONPATH"] = os.pathsep.join(
                 p for p in (base[NEXT_KERAS_ENV], base.get("PYTHONPATH")) if p)
         if self.engine in RANKED:
@@ -251,10 +256,12 @@ TRAIN = {
     "ours_torch": _train_ours,
     "ddp_torch": _train_ddp,
     "keras_dp_torch": _train_keras_dp,
+    "plain_next_torch": _train_plain,
+    "independent_next_torch": _train_plain,  # each of its processes is plain_next_torch-1
 }
 TENSORFLOW_ENGINES = ("mirrored", "plain_tf", "independent_tf", "ours_tf")
 TORCH_ENGINES = ("plain_torch", "independent_torch", "ours_torch", "ddp_torch",
-                 "keras_dp_torch")
+                 "keras_dp_torch", "plain_next_torch", "independent_next_torch")
 # One process per device, joined by torch.distributed.
 RANKED = ("ours_torch", "ddp_torch", "keras_dp_torch")
 
@@ -267,10 +274,11 @@ def available(setup):
         return "tensorflow is not installed (pip install tensorflow-cpu)"
     if setup.backend == "torch" and importlib.util.find_spec("torch") is None:
         return "torch is not installed (pip install torch)"
-    if setup.engine == "keras_dp_torch":
+    if setup.engine in NEXT_KERAS_ENGINES:
         folder = os.environ.get(NEXT_KERAS_ENV)
         if not folder or not os.path.isfile(os.path.join(folder, "keras", "__init__.py")):
-            return (f"needs a Keras with a torch DataParallel: set {NEXT_KERAS_ENV} to a folder "
+            return (f"needs the next Keras (one with a torch DataParallel): set {NEXT_KERAS_ENV} "
+                    "to a folder "
                     "made by `pip install --no-deps --target DIR "
                     f"../shared/keras-next/keras-*.whl` (received {folder!r})")
     return None
