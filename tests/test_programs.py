@@ -320,7 +320,7 @@ def _floatx(dtype):
 # cost (seconds per engine in a profiled scripts/test.sh, 2026-11-26: TensorFlow traces the
 # large graphs 2-6 times as long as torch runs them): TensorFlow takes the small programs
 # and p19 (an `add_loss` model, a defect TensorFlow had), JAX the post's MiniGoogLeNet, and
-# six programs each but torch's five. A program not listed takes its index's engine.
+# six programs each. A program not listed takes its index's engine.
 ENGINE = {
     "p04_subclass_no_training_arg": "tensorflow", "p07_pydataset_shuffle": "tensorflow",
     "p10_mnist_convnet": "tensorflow", "p12_weather_lstm_grad_accum": "tensorflow",
@@ -330,7 +330,7 @@ ENGINE = {
     "p21_imbalanced_auc_metrics": "jax", "p22_lr_schedule_early_stopping": "jax",
     "p05_bilstm_masking": "torch", "p09_transformer_text": "torch",
     "p17_distiller_own_compile": "torch", "p18_census_grn_vsn_dict_inputs": "torch",
-    "p20_torch_dataloader_custom_layers": "torch",
+    "p20_torch_dataloader_custom_layers": "torch", "p23_augmentation_in_model": "torch",
 }
 
 
