@@ -17,6 +17,7 @@ def test_setup_names():
     assert bench.parse("ours-4") == bench.Setup("ours", 4)
     assert bench.parse("mirrored-2").backend == "tensorflow"
     assert bench.parse("keras_dp_torch-2").processes == 2  # one process per device
+    assert bench.parse("ours_next_torch-2").processes == 2
     for bad in ("ours", "ours-0", "horovod-2", "plain-2", "ours-x"):
         with pytest.raises(ValueError, match=bad):
             bench.parse(bad)
@@ -52,7 +53,8 @@ def test_next_keras_setups_run_on_the_next_keras():
     base = {setups.NEXT_KERAS_ENV: "/next", "PYTHONPATH": "/mine"}
     ceiling = bench.parse("independent_next_torch-2")
     assert ceiling.processes == 2 and ceiling.worker == bench.Setup("plain_next_torch", 1)
-    for name in ("keras_dp_torch-2", "plain_next_torch-1", "independent_next_torch-2"):
+    for name in ("keras_dp_torch-2", "ours_next_torch-2", "plain_next_torch-1",
+                 "independent_next_torch-2"):
         env = bench.parse(name).worker.environment(base, virtual=True)
         assert env["PYTHONPATH"] == os.pathsep.join(["/next", "/mine"]), name
         assert env["KERAS_BACKEND"] == "torch"
@@ -60,13 +62,14 @@ def test_next_keras_setups_run_on_the_next_keras():
         assert bench.parse(name).environment(base, virtual=True)["PYTHONPATH"] == "/mine"
     table = {name: {"images_per_second": {"median": speed}} for name, speed in (
         ("plain_torch-1", 100.0), ("plain_next_torch-1", 110.0),
-        ("keras_dp_torch-2", 180.0), ("independent_next_torch-2", 200.0))}
-    table["keras_dp_torch-2"]["engine"] = "keras_dp_torch"
-    table["keras_dp_torch-2"]["devices"] = 2
-    for name in ("plain_torch-1", "plain_next_torch-1", "independent_next_torch-2"):
-        table[name].update(engine=bench.parse(name).engine, devices=bench.parse(name).devices)
+        ("keras_dp_torch-2", 180.0), ("ours_next_torch-2", 171.0),
+        ("independent_next_torch-2", 200.0))}
+    for name, row in table.items():
+        row.update(engine=bench.parse(name).engine, devices=bench.parse(name).devices)
     assert harness._ratios(table, "images_per_second") == {
         "plain_next_torch-1 / plain_torch-1": 1.1,
+        "ours_next_torch-2 / keras_dp_torch-2": 0.95,
+        "ours_next_torch-2 / independent_next_torch-2": 0.855,
         "keras_dp_torch-2 / independent_next_torch-2": 0.9}
 
 

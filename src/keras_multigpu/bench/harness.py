@@ -146,6 +146,7 @@ def _ratios(table, figure):
     # The next Keras's own speed, and its DataParallel against its own ceiling: what part
     # of ours' ratio to that DataParallel is the Keras version's rather than the engine's.
     ratio("plain_next_torch-1", "plain_torch-1")
+    ratio("ours_next_torch-1", "plain_next_torch-1")
     for name, row in table.items():
         if row["engine"] == "ours" and row["devices"] > 1:
             ratio(name, "ours-1")
@@ -161,6 +162,9 @@ def _ratios(table, figure):
             ratio(name, f"ddp_torch-{row['devices']}")
             ratio(name, f"keras_dp_torch-{row['devices']}")
             ratio(name, f"independent_torch-{row['devices']}")
+        if row["engine"] == "ours_next_torch" and row["devices"] > 1:
+            ratio(name, f"keras_dp_torch-{row['devices']}")
+            ratio(name, f"independent_next_torch-{row['devices']}")
         if row["engine"] == "keras_dp_torch":
             ratio(name, f"independent_next_torch-{row['devices']}")
     return ratios

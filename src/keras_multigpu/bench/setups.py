@@ -16,9 +16,10 @@ XLA_DEVICE_FLAG = _xla.DEVICE_COUNT_FLAG
 # A folder holding a Keras with a torch `DataParallel` (the next Keras: `pip install
 # --no-deps --target DIR ../shared/keras-next/keras-*.whl`), for the setups on it.
 NEXT_KERAS_ENV = "KERAS_MULTIGPU_NEXT_KERAS"
-# The setups that run on the next Keras: its `DataParallel`, and plain Keras and the
+# The setups that run on the next Keras: its `DataParallel`, and ours, plain Keras and the
 # ceiling on that Keras, which say how much of a gap to it is the Keras version's own.
-NEXT_KERAS_ENGINES = ("keras_dp_torch", "plain_next_torch", "independent_next_torch")
+NEXT_KERAS_ENGINES = ("keras_dp_torch", "ours_next_torch", "plain_next_torch",
+                      "independent_next_torch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,9 +39,11 @@ class Setup:
             Keras model (the keras-io guide's approach), and "keras_dp_torch":
             the next Keras's own torch `DataParallel` (DDP inside Keras's torch
             trainer), from the Keras that NEXT_KERAS_ENV names. ours_torch,
-            ddp_torch and keras_dp_torch run one process per device (`RANKED`).
-            "plain_next_torch" and "independent_next_torch" are plain Keras and
-            the ceiling on that next Keras: keras_dp_torch's own references.
+            ddp_torch, keras_dp_torch and ours_next_torch run one process per
+            device (`RANKED`).
+            "ours_next_torch", "plain_next_torch" and "independent_next_torch"
+            are ours, plain Keras and the ceiling on that next Keras: the
+            comparisons with keras_dp_torch on one Keras.
         devices: replicas; the global batch is devices x batch per device.
     """
 
@@ -256,14 +259,16 @@ TRAIN = {
     "ours_torch": _train_ours,
     "ddp_torch": _train_ddp,
     "keras_dp_torch": _train_keras_dp,
+    "ours_next_torch": _train_ours,
     "plain_next_torch": _train_plain,
     "independent_next_torch": _train_plain,  # each of its processes is plain_next_torch-1
 }
 TENSORFLOW_ENGINES = ("mirrored", "plain_tf", "independent_tf", "ours_tf")
 TORCH_ENGINES = ("plain_torch", "independent_torch", "ours_torch", "ddp_torch",
-                 "keras_dp_torch", "plain_next_torch", "independent_next_torch")
+                 "keras_dp_torch", "ours_next_torch", "plain_next_torch",
+                 "independent_next_torch")
 # One process per device, joined by torch.distributed.
-RANKED = ("ours_torch", "ddp_torch", "keras_dp_torch")
+RANKED = ("ours_torch", "ddp_torch", "keras_dp_torch", "ours_next_torch")
 
 
 def available(setup):
