@@ -573,6 +573,40 @@ def test_a_steps_activations_are_freed_without_the_garbage_collector(gpus):
     assert tensors == [], f"{len(tensors)} tensors were left to the garbage collector"
 
 
+@pytest.mark.skipif(BACKEND != "torch", reason="torch.distributed, and Keras's torch trainer")
+@pytest.mark.ranks(2)
+def test_a_steps_logs_take_one_all_reduce_and_keras_wraps_nothing_in_ddp(monkeypatch):
+    """The logs of a step are read with one all-reduce, however many metrics there are. The
+    next Keras's torch trainer sums every metric variable itself, one all-reduce each, and
+    wraps the model in DDP where torch.distributed runs: in our calls it does neither."""
+    import torch.distributed as dist
+
+    x, y = _data(40)
+    counts, calls = [], []
+    all_reduce = dist.all_reduce
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return all_reduce(*args, **kwargs)
+
+    for metrics in (["accuracy"], ["accuracy", keras.metrics.SparseCategoricalCrossentropy(),
+                                   keras.metrics.SparseTopKCategoricalAccuracy(2)]):
+        keras.utils.set_random_seed(0)
+        model = _dense_model()
+        parallel = kmg.multi_gpu_model(model, gpus=2)
+        parallel.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", metrics=metrics)
+        parallel.fit(x, y, batch_size=10, epochs=1, verbose=0)  # built, compiled
+        calls.clear()
+        with monkeypatch.context() as patch:
+            patch.setattr(dist, "all_reduce", counted)
+            history = parallel.fit(x, y, batch_size=10, epochs=2, verbose=0).history
+        assert len(history) == 1 + len(metrics)
+        counts.append(len(calls))
+        assert getattr(parallel, "ddp_model", None) is None
+        assert getattr(model, "ddp_model", None) is None
+    assert counts[0] == counts[1], f"all-reduces in 8 steps with 1 and 3 metrics: {counts}"
+
+
 @pytest.mark.ranks(3)
 def test_callbacks_checkpoint_and_early_stopping(tmp_path):
     path = str(tmp_path / "best.keras")

@@ -281,15 +281,28 @@ def global_result(replica, original, metric):
 
 def metrics_result(replica, original, trainer):
     """Keras's `get_metrics_result` (`original`, the logs of a step): every metric's
-    `result()` from every replica's state, read with one all-reduce for them all."""
+    `result()` from every replica's state, read with one all-reduce for them all.
+
+    Where the backend's trainer has a `get_metrics_result` of its own (`metrics_owner`),
+    its generic one, `Trainer`'s, reads the state: the next Keras's torch trainer sums every
+    metric variable across processes itself, one all-reduce each, whatever its aggregation.
+    """
     if _keras.backend.in_stateless_scope():
         return original(trainer)
+    generic = base_trainer.Trainer.get_metrics_result
+    generic = getattr(generic, "_keras_multigpu_original", generic)  # where it is the owner
     variables = list({id(v): v for m in trainer.metrics for v in m.variables}.values())
     state = _global_state(replica, variables) if variables else None
     if state is None:
-        return original(trainer)
+        return generic(trainer)
     with keras.StatelessScope(state_mapping=state):
-        return original(trainer)
+        return generic(trainer)
+
+
+def metrics_owner():
+    """The class whose `get_metrics_result` a Keras model runs: `Trainer`, or the
+    backend's trainer where it has its own (the next Keras's torch trainer)."""
+    return next(cls for cls in keras.Model.__mro__ if "get_metrics_result" in vars(cls))
 
 
 def metric_classes():
@@ -318,7 +331,7 @@ def table(step, call, random_module, draws, logs=None):
         *((random_module, name, random_draw, step) for name in draws),
         (random_module, "dropout", dropout, step),
         *((cls, "result", global_result, call) for cls in metric_classes()),
-        (base_trainer.Trainer, "get_metrics_result", metrics_result, logs or call),
+        (metrics_owner(), "get_metrics_result", metrics_result, logs or call),
     ]
 
 

@@ -1,7 +1,8 @@
 """Keras's torch internals the torch engine uses (see `keras_multigpu._keras`).
 
-Patched for a call: `random.{normal, uniform, truncated_normal, randint, dropout}`; and,
-where Keras's torch tree keeps what it flattens in reference cycles (Keras 3.15), torch's
+Patched for a call: `random.{normal, uniform, truncated_normal, randint, dropout}`; where
+Keras's torch trainer wraps a model in DDP itself (the next Keras), `KERAS_DDP`; and, where
+Keras's torch tree keeps what it flattens in reference cycles (Keras 3.15), torch's
 `torch.utils._pytree.tree_flatten`, which that tree calls (`cycle_free_tree`).
 """
 
@@ -22,6 +23,11 @@ TABLE = {
 }
 
 (random,) = load(TABLE, "the torch engine")
+
+# The next Keras's torch trainer wraps the model in DistributedDataParallel as it makes its
+# step functions, wherever torch.distributed is initialized (Keras 3.15 has no such method;
+# the engine passes it over inside a call where Keras has it).
+KERAS_DDP = "_initialize_ddp"
 
 _TREE_FLATTEN = _pytree.tree_flatten
 

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from keras import tree
 
 from keras_multigpu import interrupt, launch, rules
-from keras_multigpu._keras.torch import DRAWS, cycle_free_tree
+from keras_multigpu._keras.torch import DRAWS, KERAS_DDP, cycle_free_tree
 from keras_multigpu._keras.torch import random as torch_random
 from keras_multigpu.backends._marker import tag, untag  # noqa: F401 (the seam's names)
 from keras_multigpu.backends._torch_group import (
@@ -336,8 +336,17 @@ def local_metric_state(variables, values):
             for variable, value in zip(variables, values)]
 
 
+def _no_ddp(replica, original, model):
+    """Keras's own DDP wrapping (the next Keras's torch trainer), passed over in a call:
+    this engine all-reduces the gradients itself, weighed by rows. DDP's wrapper would
+    never run a step here, yet it would broadcast the weights again and hold a buffer as
+    large as the gradients."""
+
+
 def _rules_table():
+    own_ddp = [(keras.Model, KERAS_DDP, _no_ddp, _call)] if hasattr(keras.Model, KERAS_DDP) else []
     return [
+        *own_ddp,
         (keras.optimizers.Optimizer, "apply", _apply, _step),
         # Its own `apply` checks the gradients are finite before the inner optimizer's:
         # on the sums, as one device checks its gradients, so every rank decides alike.
