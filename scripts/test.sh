@@ -7,7 +7,8 @@
 #   Keras's main branch as a wheel, laid over the environment's Keras through PYTHONPATH,
 #   so nothing else changes); then torch's launcher tests across machines
 #   (tests/test_multihost.py) and the benchmark harness's (tests/test_bench.py), and the
-#   next Keras's exactness tests on torch.
+#   next Keras's exactness tests on torch, with torch's share of the real programs (whose
+#   own trainer changed most on the next Keras: DDP and metrics across processes).
 # - Stream 2: the behaviour suite on TensorFlow (two pytest processes) and on PyTorch
 #   (whose multi-device tests fork one gloo process per device): the rule units, the engine
 #   contract, the real Keras programs, semantics, parallel, errors, inputs, saving, callbacks
@@ -49,7 +50,8 @@ next_keras() {  # the exactness tests on the next Keras, on backend $1
   echo "== the next Keras ($(basename "$next_wheel")), KERAS_BACKEND=$1"
   PYTHONPATH="$logs/keras-next" KERAS_BACKEND=$1 .venv/bin/python -m pytest -q \
       -p no:cacheprovider tests/test_rules.py tests/test_engines.py \
-      $([ "$1" = jax ] && echo tests/test_batching.py $next_shuffling)
+      $([ "$1" = jax ] && echo tests/test_batching.py $next_shuffling) \
+      $([ "$1" = torch ] && echo tests/test_programs.py)
 }
 run() {  # a log name, a backend, then pytest's arguments: runs them, then prints the log
   local log=$1 backend=$2

@@ -578,7 +578,9 @@ def test_a_steps_activations_are_freed_without_the_garbage_collector(gpus):
 def test_a_steps_logs_take_one_all_reduce_and_keras_wraps_nothing_in_ddp(monkeypatch):
     """The logs of a step are read with one all-reduce, however many metrics there are. The
     next Keras's torch trainer sums every metric variable itself, one all-reduce each, and
-    wraps the model in DDP where torch.distributed runs: in our calls it does neither."""
+    wraps the model in DDP where torch.distributed runs: in our calls it does neither, and
+    outside them the template runs in each process alone (one process may predict and
+    evaluate by itself, as on Keras 3.15)."""
     import torch.distributed as dist
 
     x, y = _data(40)
@@ -605,6 +607,17 @@ def test_a_steps_logs_take_one_all_reduce_and_keras_wraps_nothing_in_ddp(monkeyp
         assert getattr(parallel, "ddp_model", None) is None
         assert getattr(model, "ddp_model", None) is None
     assert counts[0] == counts[1], f"all-reduces in 8 steps with 1 and 3 metrics: {counts}"
+    expected = parallel.evaluate(x, y, batch_size=10, verbose=0, return_dict=True)
+    predicted = parallel.predict(x, batch_size=10, verbose=0)
+    if dist.get_rank() == 0:  # the template alone, in one process: nothing waits for the other
+        alone = model.evaluate(x, y, batch_size=10, verbose=0, return_dict=True)
+        assert alone.keys() == expected.keys()
+        for key in expected:
+            np.testing.assert_allclose(alone[key], expected[key], rtol=RTOL, atol=ATOL)
+        np.testing.assert_allclose(model.predict(x, batch_size=10, verbose=0), predicted,
+                                   rtol=RTOL, atol=ATOL)
+        assert getattr(model, "ddp_model", None) is None
+    dist.barrier()
 
 
 @pytest.mark.ranks(3)

@@ -227,6 +227,13 @@ class _Reloader:
                if k not in ("KERAS_MULTIGPU_CPU_DEVICES", "XLA_FLAGS", "PYTHONPATH", "RANK",
                             "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
         env["KERAS_BACKEND"] = keras.backend.backend()
+        # The Keras that saved the file (a PYTHONPATH entry holding one, as scripts/test.sh
+        # lays the next Keras over the environment's), never the library's sources.
+        kerases = [path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                   if path and os.path.isfile(os.path.join(path, "keras", "__init__.py"))
+                   and not os.path.isdir(os.path.join(path, "keras_multigpu"))]
+        if kerases:
+            env["PYTHONPATH"] = os.pathsep.join(kerases)
         self.process = subprocess.Popen(
             [sys.executable, "-c", RELOAD_SERVER], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)

@@ -289,14 +289,19 @@ def metrics_result(replica, original, trainer):
     """
     if _keras.backend.in_stateless_scope():
         return original(trainer)
-    generic = base_trainer.Trainer.get_metrics_result
-    generic = getattr(generic, "_keras_multigpu_original", generic)  # where it is the owner
     variables = list({id(v): v for m in trainer.metrics for v in m.variables}.values())
     state = _global_state(replica, variables) if variables else None
     if state is None:
-        return generic(trainer)
+        return generic_metrics_result(trainer)
     with keras.StatelessScope(state_mapping=state):
-        return generic(trainer)
+        return generic_metrics_result(trainer)
+
+
+def generic_metrics_result(trainer):
+    """Keras's generic `get_metrics_result` (`Trainer`'s, not a backend trainer's): every
+    metric's `result()`, from the state it holds."""
+    generic = base_trainer.Trainer.get_metrics_result
+    return getattr(generic, "_keras_multigpu_original", generic)(trainer)  # where patched
 
 
 def metrics_owner():

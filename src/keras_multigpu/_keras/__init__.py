@@ -67,7 +67,9 @@ _MISSING = object()
 
 # What every engine and the data path use. Patched for a call (see the engines' rule
 # tables): loss_module.{reduce_values, apply_mask, scale/unscale_loss_for_distribution},
-# Trainer._aggregate_additional_loss, Layer.{add_loss, _get_own_losses, _clear_losses},
+# Trainer._aggregate_additional_loss, Trainer.get_metrics_result (or the backend trainer's
+# own, where it has one: the next Keras's torch trainer), Layer.{add_loss, _get_own_losses,
+# _clear_losses},
 # Mean.update_state, BatchNormalization._moments, Optimizer.apply, each Metric's
 # result; on TensorFlow, where its CPU convolutions misshape an empty batch,
 # backend.nn.{conv, depthwise_conv, separable_conv}; patched for the process: every alias

@@ -121,7 +121,45 @@ def make_distribution(devices):
             )
         if world > 1:
             _join(generator=(random_state, set_random_state))
+            _keras_alone_in_each_process()
     return Engine(devices)
+
+
+def _keras_alone_in_each_process():
+    """Where Keras's torch trainer runs DDP itself wherever torch.distributed is initialized
+    (the next Keras: `KERAS_DDP`), it does not in these processes, unless a
+    `keras.distribution` is set.
+
+    The process group is this engine's. Inside a call the engine all-reduces the gradients
+    itself, weighed by rows: a DDP wrapper would never run a step, yet it would broadcast
+    the weights again and hold a buffer as large as the gradients. Outside one, a Keras
+    model (the template among them) runs in each process alone, as on Keras 3.15: its
+    `predict` or `evaluate` on one process must not wait for the others (Keras's DDP setup
+    and its metrics' sum across processes are collectives).
+    """
+    owner = next((c for c in keras.Model.__mro__ if KERAS_DDP in vars(c)), None)
+    if owner is None or hasattr(getattr(owner, KERAS_DDP), "_keras_multigpu_original"):
+        return
+    initialize_ddp, metrics_result = getattr(owner, KERAS_DDP), owner.get_metrics_result
+
+    def own_ddp(model):
+        if keras.distribution.distribution() is not None and _installed_engine() is None:
+            return initialize_ddp(model)
+        return None
+
+    def own_metrics_result(model):
+        if keras.distribution.distribution() is not None:
+            return metrics_result(model)
+        return rules.generic_metrics_result(model)
+
+    own_ddp._keras_multigpu_original = initialize_ddp
+    own_metrics_result._keras_multigpu_original = metrics_result
+    setattr(owner, KERAS_DDP, own_ddp)
+    owner.get_metrics_result = own_metrics_result
+
+
+def _installed_engine():
+    return getattr(_installed, "engine", None)
 
 
 def _active(distribution):
@@ -336,17 +374,8 @@ def local_metric_state(variables, values):
             for variable, value in zip(variables, values)]
 
 
-def _no_ddp(replica, original, model):
-    """Keras's own DDP wrapping (the next Keras's torch trainer), passed over in a call:
-    this engine all-reduces the gradients itself, weighed by rows. DDP's wrapper would
-    never run a step here, yet it would broadcast the weights again and hold a buffer as
-    large as the gradients."""
-
-
 def _rules_table():
-    own_ddp = [(keras.Model, KERAS_DDP, _no_ddp, _call)] if hasattr(keras.Model, KERAS_DDP) else []
     return [
-        *own_ddp,
         (keras.optimizers.Optimizer, "apply", _apply, _step),
         # Its own `apply` checks the gradients are finite before the inner optimizer's:
         # on the sums, as one device checks its gradients, so every rank decides alike.
