@@ -26,7 +26,7 @@ TABLE = {
 
 # The next Keras's torch trainer wraps the model in DistributedDataParallel as it makes its
 # step functions, wherever torch.distributed is initialized (Keras 3.15 has no such method;
-# the engine passes it over inside a call where Keras has it).
+# where Keras has it, the torch engine makes it follow `keras.distribution`).
 KERAS_DDP = "_initialize_ddp"
 
 _TREE_FLATTEN = _pytree.tree_flatten

@@ -143,7 +143,7 @@ def _keras_alone_in_each_process():
     initialize_ddp, metrics_result = getattr(owner, KERAS_DDP), owner.get_metrics_result
 
     def own_ddp(model):
-        if keras.distribution.distribution() is not None and _installed_engine() is None:
+        if keras.distribution.distribution() is not None and _call() is None:
             return initialize_ddp(model)
         return None
 
@@ -156,10 +156,6 @@ def _keras_alone_in_each_process():
     own_metrics_result._keras_multigpu_original = metrics_result
     setattr(owner, KERAS_DDP, own_ddp)
     owner.get_metrics_result = own_metrics_result
-
-
-def _installed_engine():
-    return getattr(_installed, "engine", None)
 
 
 def _active(distribution):

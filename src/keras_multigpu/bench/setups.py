@@ -283,8 +283,7 @@ def available(setup):
         folder = os.environ.get(NEXT_KERAS_ENV)
         if not folder or not os.path.isfile(os.path.join(folder, "keras", "__init__.py")):
             return (f"needs the next Keras (one with a torch DataParallel): set {NEXT_KERAS_ENV} "
-                    "to a folder "
-                    "made by `pip install --no-deps --target DIR "
+                    "to a folder made by `pip install --no-deps --target DIR "
                     f"../shared/keras-next/keras-*.whl` (received {folder!r})")
     return None
 
