@@ -26,8 +26,42 @@ TABLE = {
 
 # The next Keras's torch trainer wraps the model in DistributedDataParallel as it makes its
 # step functions, wherever torch.distributed is initialized (Keras 3.15 has no such method;
-# where Keras has it, the torch engine makes it follow `keras.distribution`).
+# where Keras has it, `keras_alone_in_each_process` makes it follow `keras.distribution`).
 KERAS_DDP = "_initialize_ddp"
+
+
+def keras_alone_in_each_process(in_call, metrics_result):
+    """Where Keras's torch trainer runs DDP itself wherever torch.distributed is initialized
+    (the next Keras: `KERAS_DDP`), it does not in the torch engine's processes, unless a
+    `keras.distribution` is set (called once the engine has joined them).
+
+    The process group is the engine's. Inside a call (`in_call()`) the engine all-reduces
+    the gradients itself, weighed by rows: a DDP wrapper would never run a step, yet it
+    would broadcast the weights again and hold a buffer as large as the gradients. Outside
+    one, a Keras model (the template among them) runs in each process alone, as on Keras
+    3.15, its metrics read by `metrics_result` (Keras's generic `get_metrics_result`): its
+    `predict` or `evaluate` on one process must not wait for the others (Keras's DDP setup
+    and its metrics' sum across processes are collectives).
+    """
+    owner = next((c for c in keras.Model.__mro__ if KERAS_DDP in vars(c)), None)
+    if owner is None or hasattr(getattr(owner, KERAS_DDP), "_keras_multigpu_original"):
+        return
+    initialize_ddp, own_result = getattr(owner, KERAS_DDP), owner.get_metrics_result
+
+    def follow_ddp(model):
+        if keras.distribution.distribution() is not None and not in_call():
+            return initialize_ddp(model)
+        return None
+
+    def follow_metrics_result(model):
+        if keras.distribution.distribution() is not None:
+            return own_result(model)
+        return metrics_result(model)
+
+    follow_ddp._keras_multigpu_original = initialize_ddp
+    follow_metrics_result._keras_multigpu_original = own_result
+    setattr(owner, KERAS_DDP, follow_ddp)
+    owner.get_metrics_result = follow_metrics_result
 
 _TREE_FLATTEN = _pytree.tree_flatten
 

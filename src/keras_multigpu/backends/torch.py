@@ -39,7 +39,7 @@ import torch.distributed as dist
 from keras import tree
 
 from keras_multigpu import interrupt, launch, rules
-from keras_multigpu._keras.torch import DRAWS, KERAS_DDP, cycle_free_tree
+from keras_multigpu._keras.torch import DRAWS, cycle_free_tree, keras_alone_in_each_process
 from keras_multigpu._keras.torch import random as torch_random
 from keras_multigpu.backends._marker import tag, untag  # noqa: F401 (the seam's names)
 from keras_multigpu.backends._torch_group import (
@@ -121,41 +121,10 @@ def make_distribution(devices):
             )
         if world > 1:
             _join(generator=(random_state, set_random_state))
-            _keras_alone_in_each_process()
+            # Keras's own DDP and metric sum (the next Keras) follow keras.distribution.
+            keras_alone_in_each_process(in_call=lambda: _call() is not None,
+                                        metrics_result=rules.generic_metrics_result)
     return Engine(devices)
-
-
-def _keras_alone_in_each_process():
-    """Where Keras's torch trainer runs DDP itself wherever torch.distributed is initialized
-    (the next Keras: `KERAS_DDP`), it does not in these processes, unless a
-    `keras.distribution` is set.
-
-    The process group is this engine's. Inside a call the engine all-reduces the gradients
-    itself, weighed by rows: a DDP wrapper would never run a step, yet it would broadcast
-    the weights again and hold a buffer as large as the gradients. Outside one, a Keras
-    model (the template among them) runs in each process alone, as on Keras 3.15: its
-    `predict` or `evaluate` on one process must not wait for the others (Keras's DDP setup
-    and its metrics' sum across processes are collectives).
-    """
-    owner = next((c for c in keras.Model.__mro__ if KERAS_DDP in vars(c)), None)
-    if owner is None or hasattr(getattr(owner, KERAS_DDP), "_keras_multigpu_original"):
-        return
-    initialize_ddp, metrics_result = getattr(owner, KERAS_DDP), owner.get_metrics_result
-
-    def own_ddp(model):
-        if keras.distribution.distribution() is not None and _call() is None:
-            return initialize_ddp(model)
-        return None
-
-    def own_metrics_result(model):
-        if keras.distribution.distribution() is not None:
-            return metrics_result(model)
-        return rules.generic_metrics_result(model)
-
-    own_ddp._keras_multigpu_original = initialize_ddp
-    own_metrics_result._keras_multigpu_original = metrics_result
-    setattr(owner, KERAS_DDP, own_ddp)
-    owner.get_metrics_result = own_metrics_result
 
 
 def _active(distribution):
