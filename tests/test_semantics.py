@@ -508,6 +508,37 @@ def test_compiling_the_template_after_wrapping_is_seen():
     assert_weights_close(weights, p_weights)
 
 
+def test_unfreezing_and_recompiling_trains_the_unfrozen_layers_as_one_device():
+    """Keras's transfer-learning guide: train a head on a frozen base (BatchNorm inside),
+    then set `base.trainable = True`, compile again and fine-tune. On TensorFlow the frozen
+    base's variables had per-replica twins the gradient tape does not watch, and the
+    unfrozen base did not train at all."""
+    x, y = classification_data(29)
+    results = []
+    for wrap in (False, True):
+        keras.utils.set_random_seed(5)
+        base = keras.Sequential([keras.Input((6,)), layers.Dense(5), layers.BatchNormalization(),
+                                 layers.Activation("relu")], name="base")
+        base.trainable = False
+        inputs = keras.Input((6,))
+        template = keras.Model(inputs, layers.Dense(3, activation="softmax")(
+            base(inputs, training=False)))
+        target = kmg.multi_gpu_model(template, gpus=engine_gpus(3)) if wrap else template
+        frozen = [np.copy(w) for w in base.get_weights()]
+        target.compile(optimizer="sgd", loss="categorical_crossentropy")
+        target.fit(x, y, batch_size=10, epochs=1, verbose=0)
+        assert_weights_close(frozen, base.get_weights(), atol=0)
+        base.trainable = True
+        target.compile(optimizer=keras.optimizers.SGD(0.1), loss="categorical_crossentropy")
+        history = target.fit(x, y, batch_size=10, epochs=2, verbose=0).history
+        kernel = base.get_weights()[0]
+        assert np.max(np.abs(kernel - frozen[0])) > 1e-3, "the unfrozen base did not train"
+        results.append((history, template.get_weights()))
+    (expected, weights), (history, p_weights) = results
+    np.testing.assert_allclose(history["loss"], expected["loss"], rtol=1e-5)
+    assert_weights_close(weights, p_weights)
+
+
 @pytest.mark.slow  # uncompiled steps: 15 s and more
 @pytest.mark.parametrize("mode", [{"run_eagerly": True}, {"jit_compile": False}],
                          ids=["run_eagerly", "no-jit"])

@@ -250,6 +250,11 @@ def replicate(variables, distribution, optimizers=()):
             continue  # not initialised yet: it will be created in scope
         mirrors = variable.__dict__.setdefault("_keras_multigpu_mirrors", {})
         mirrored = mirrors.get(strategy)
+        if mirrored is not None and mirrored.trainable != variable.trainable:
+            # Frozen or unfrozen since its twin was made (`layer.trainable = True`, then
+            # compile): the twin's kind follows (a frozen one is per replica and unwatched
+            # by the gradient tape, so an unfrozen layer would not train).
+            mirrored = None
         if value is mirrored:
             continue
         if not isinstance(value, tf.distribute.DistributedValues):
