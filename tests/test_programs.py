@@ -65,7 +65,11 @@ def _run(program, gpus, workdir, fit_kwargs=None, optimizer=None):
     kwargs = dict(fit_kwargs or program.fit_kwargs(workdir))
     epoch_totals = _EpochTotals()
     kwargs["callbacks"] = [*kwargs.get("callbacks", []), epoch_totals]
-    history = target.fit(**kwargs)
+    history = target.fit(**kwargs).history
+    if hasattr(program, "fine_tune"):  # a second phase: the program changes and recompiles
+        program.fine_tune(model, target, **compile_kwargs)
+        second = target.fit(**kwargs).history
+        history = {key: history[key] + second[key] for key in history}
     predicted = (target.predict(program.predict_x(), batch_size=25, verbose=0)
                  if _predicts(program) else None)
     if keras.backend.backend() == "torch":
@@ -73,8 +77,8 @@ def _run(program, gpus, workdir, fit_kwargs=None, optimizer=None):
         # variable itself (FalseNegatives, TruePositives, ...): the validation run resets that
         # variable in place, so one device's history shows validation figures under the
         # training keys. Each epoch's last batch logs hold the training figures.
-        history.history.update(epoch_totals.totals)
-    return model, target, initial, history.history, predicted
+        history.update(epoch_totals.totals)
+    return model, target, initial, history, predicted
 
 
 class _EpochTotals(keras.callbacks.Callback):
@@ -326,8 +330,9 @@ def _floatx(dtype):
 # CI runs each program written for every engine on one of them, chosen by its measured
 # cost (seconds per engine in a profiled scripts/test.sh, 2026-11-26: TensorFlow traces the
 # large graphs 2-6 times as long as torch runs them): TensorFlow takes the small programs
-# and p19 (an `add_loss` model, a defect TensorFlow had), JAX the post's MiniGoogLeNet, and
-# six programs each. A program not listed takes its index's engine.
+# and p19 (an `add_loss` model) and p24 (a base unfrozen after wrapping): defects TensorFlow
+# had; JAX the post's MiniGoogLeNet, and six programs each. A program not listed takes its
+# index's engine.
 ENGINE = {
     "p04_subclass_no_training_arg": "tensorflow", "p07_pydataset_shuffle": "tensorflow",
     "p10_mnist_convnet": "tensorflow", "p12_weather_lstm_grad_accum": "tensorflow",
@@ -338,6 +343,7 @@ ENGINE = {
     "p05_bilstm_masking": "torch", "p09_transformer_text": "torch",
     "p17_distiller_own_compile": "torch", "p18_census_grn_vsn_dict_inputs": "torch",
     "p20_torch_dataloader_custom_layers": "torch", "p23_augmentation_in_model": "torch",
+    "p24_transfer_learning_fine_tune": "tensorflow",
 }
 
 

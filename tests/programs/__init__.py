@@ -11,7 +11,9 @@ Every module defines:
 
 Optional: BACKENDS (the backends its own step is written for), PREDICT = False (no `call`),
 RANDOM_PREDICT = True (predictions draw: a reload is checked on its weights),
-AMPLIFIED with EXACT_OPTIMIZER and FLOAT64, CONTROL (see tests/test_programs.py).
+AMPLIFIED with EXACT_OPTIMIZER and FLOAT64, CONTROL (see tests/test_programs.py),
+fine_tune(model, target, optimizer=None) (a second phase: it changes the model and
+compiles `target` again, then the same fit runs once more).
 - build(): the model, uncompiled (called after keras.utils.set_random_seed).
 - compile(model): the source's compile call, on the model or on its ParallelModel.
 - fit_kwargs(workdir): the source's fit arguments, with a global batch that divides
