@@ -329,9 +329,23 @@ def run_step(step, data, rows_out=False):
                                   traced=True)
     replica.losses = {}  # this replica's `add_loss` values (see `_tf_rules._add_loss`)
     try:
-        return step(untag(data))
+        return step(_dynamic_rows(untag(data)))
     finally:
         replica.state, replica.losses = previous
+
+
+def _dynamic_rows(data):
+    """`data` with its first dimension unknown to the trace, as the rules take a traced
+    step's rows to be (`rules.Replica.traced`): a draw shaped by the batch is then told from
+    a draw of a fixed shape. A trace made on a concrete batch knows it (the next Keras's
+    trainer traces the first step so): then RandomFlip's draw of 10 rows, on a replica of
+    10 rows, was taken for a fixed one, and each replica drew what the first rows draw."""
+    def relax(a):
+        if not isinstance(a, tf.Tensor) or a.shape.rank in (None, 0) or a.shape[0] is None:
+            return a
+        return tf.compat.v1.placeholder_with_default(a, [None, *a.shape[1:]])
+
+    return tree.map_structure(relax, data)
 
 
 def batch_spec(iterator):
