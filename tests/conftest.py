@@ -101,6 +101,14 @@ def classification_data(n, features=6, classes=3, seed=0):
     return x, y
 
 
+def stateful_model():
+    """A stateful LSTM: its state keeps one row per sample of a fixed batch of 6."""
+    keras.utils.set_random_seed(1)
+    return keras.Sequential([keras.Input((5, 3), batch_size=6),
+                             keras.layers.LSTM(4, stateful=True, name="stateful_lstm"),
+                             keras.layers.Dense(1)])
+
+
 def assert_weights_close(a, b, atol=1e-5):
     assert len(a) == len(b)
     for i, (u, v) in enumerate(zip(a, b)):

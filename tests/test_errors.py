@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import keras_multigpu as kmg
-from conftest import TORCH_WORLD, PerProcess, engine_gpus, per_process
+from conftest import TORCH_WORLD, PerProcess, engine_gpus, per_process, stateful_model
 
 pytestmark = pytest.mark.ranks(TORCH_WORLD)
 
@@ -105,6 +105,19 @@ def test_too_many_gpus_lists_what_exists(model):
         kmg.multi_gpu_model(model, gpus=9)
     assert ", ".join(str(d.id) for d in kmg.list_devices()) in str(info.value)  # 0, 1, ... 7
     assert "gpus=None" in str(info.value)
+
+
+def test_a_stateful_rnn_is_refused_where_each_device_sees_its_share():
+    """A stateful RNN's state holds a row per sample of its fixed batch; a TensorFlow
+    replica or torch process sees its share of each batch (Keras failed deep in the graph,
+    or on "Expected batch size: 6"). JAX's devices run one step on the whole batch, where it
+    trains as on one device (test_semantics)."""
+    from keras_multigpu import backends
+
+    if backends.has(backends.current(), "whole_batch"):
+        pytest.skip("each step sees the whole batch: test_semantics trains one")
+    with pytest.raises(ValueError, match=r"stateful layer\(s\) \['stateful_lstm'\].*gpus=1"):
+        kmg.multi_gpu_model(stateful_model(), gpus=engine_gpus(2))
 
 
 # -- fit: refused before any training ---------------------------------------------

@@ -15,7 +15,13 @@ import pytest
 from keras import layers, ops
 
 import keras_multigpu as kmg
-from conftest import TORCH_WORLD, assert_weights_close, classification_data, engine_gpus
+from conftest import (
+    TORCH_WORLD,
+    assert_weights_close,
+    classification_data,
+    engine_gpus,
+    stateful_model,
+)
 
 BACKEND = keras.backend.backend()
 pytestmark = pytest.mark.ranks(TORCH_WORLD)
@@ -537,6 +543,23 @@ def test_unfreezing_and_recompiling_trains_the_unfrozen_layers_as_one_device():
     (expected, weights), (history, p_weights) = results
     np.testing.assert_allclose(history["loss"], expected["loss"], rtol=1e-5)
     assert_weights_close(weights, p_weights)
+
+
+def test_a_stateful_rnn_trains_as_on_one_device_where_a_step_sees_the_whole_batch():
+    """JAX: a stateful LSTM's state, one row per sample of its fixed batch, carries from
+    batch to batch as on one device (other engines refuse it: test_errors)."""
+    from keras_multigpu import backends
+
+    if not backends.has(backends.current(), "whole_batch"):
+        pytest.skip("each device sees its share of the batch: refused (test_errors)")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(24, 5, 3)).astype("float32")
+    y = rng.normal(size=(24, 1)).astype("float32")
+    plain, expected, template, parallel, history = _fit_both(
+        stateful_model, lambda m: m.compile(optimizer="sgd", loss="mse"),
+        {"x": x, "y": y, "batch_size": 6, "epochs": 2, "shuffle": False}, gpus=3)
+    _assert_history_close(expected, history)
+    assert_weights_close(plain.get_weights(), template.get_weights())
 
 
 @pytest.mark.slow  # uncompiled steps: 15 s and more

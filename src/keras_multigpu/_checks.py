@@ -30,6 +30,21 @@ def _checked_step_result(template, step, result, stateless):
     return result
 
 
+def _check_batch_state(model):
+    """Refuses layers whose state holds one row per sample of a fixed batch (stateful RNNs),
+    on an engine where each device's step sees its share of the batch."""
+    stateful = [layer.name for layer in model._flatten_layers()
+                if getattr(layer, "stateful", False) is True]
+    if stateful:
+        raise ValueError(
+            f"The model has stateful layer(s) {stateful} (stateful=True): their state keeps "
+            "one row per sample of a fixed batch from batch to batch, and on the "
+            f"{keras.backend.backend()} backend each device runs its own share of the batch. "
+            "Train it on one device (gpus=1), with stateful=False, or on the JAX backend, "
+            "whose devices run one step on the whole batch."
+        )
+
+
 def _describe(value):
     text = repr(value)
     return text if len(text) <= 120 else text[:117] + "..."

@@ -25,6 +25,7 @@ from keras_multigpu import backends, launch, processes
 from keras_multigpu import devices as devices_lib
 from keras_multigpu._calls import Calls
 from keras_multigpu._checks import (
+    _check_batch_state,
     _check_gradient_accumulation,
     _check_reductions,
     _checked_step_result,
@@ -72,6 +73,8 @@ def multi_gpu_model(model, gpus=None):
     if backends.has(backend, "check_model"):
         backend.check_model(model)
     chosen = devices_lib.select(gpus, backend.list_devices())
+    if len(chosen) > 1 and not backends.has(backend, "whole_batch"):
+        _check_batch_state(model)
     if backends.has(backend, "process_per_device") and len(chosen) > 1 \
             and not launch.launched():
         launch.relaunch(len(chosen))  # as `keras-multigpu launch -n N` (does not return)

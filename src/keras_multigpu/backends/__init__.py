@@ -76,6 +76,10 @@ would (the `check` test in tests/test_backends.py holds every engine to this):
 - "multi_step": Keras's `steps_per_execution` above 1 runs as Keras runs it;
   without it (TensorFlow: Keras's multi-step loop fails under tf.distribute,
   keras-team/keras#19246) the steps run one per execution, with a warning.
+- "whole_batch": the model's own step sees the whole global batch (JAX's one SPMD
+  program), so state shaped by a fixed batch (a stateful RNN's) is one device's; without it
+  each replica's step sees its share, and a model with such state is refused on several
+  devices.
 - "metric_shares": `global_metric_state(variables)`, the metrics' global
   values from every process's share, and `local_metric_state(variables,
   values)`, this process's share of saved global values (torch, whose
@@ -118,6 +122,7 @@ CAPABILITY_NAMES = {
     "process_per_device": (),
     "multi_step": (),
     "metric_shares": ("global_metric_state", "local_metric_state"),
+    "whole_batch": (),
 }
 
 

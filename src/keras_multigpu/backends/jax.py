@@ -50,7 +50,7 @@ from keras_multigpu.devices import Device
 
 # What this engine does beyond the seam's common names (see `keras_multigpu.backends`).
 CAPABILITIES = frozenset({"cpu_devices", "jit", "resident", "shard", "free_memory", "watch",
-                          "multi_step"})
+                          "multi_step", "whole_batch"})
 
 
 # -- the engine -------------------------------------------------------------------
