@@ -13,8 +13,9 @@
 #   (whose multi-device tests fork one gloo process per device): the rule units, the engine
 #   contract, the real Keras programs, semantics, parallel, errors, inputs, saving, callbacks
 #   and the checkpoint's in-process tests (its killed runs start each engine in the JAX run),
-#   with TensorFlow's several-worker tests (tests/test_multihost_tf.py); then the launcher's
-#   own tests (tests/test_launch.py, on JAX).
+#   with TensorFlow's several-worker tests (tests/test_multihost_tf.py), and TensorFlow's
+#   exactness tests on the next Keras (whose trainer traces a step on a concrete batch);
+#   then the launcher's own tests (tests/test_launch.py, on JAX).
 # The split keeps the two streams near the same length. The widest sweeps run a rotation:
 # each real program on one of the three engines (tests/test_programs.py's `ENGINE`), and each
 # case of the device-count sweeps at some of the counts (tests/conftest.py's `rotated`);
@@ -96,6 +97,8 @@ behaviour="tests/test_semantics.py tests/test_parallel.py tests/test_errors.py
 # test runs there.
 run tensorflow tensorflow $contract || status=1
 run tensorflow-behaviour tensorflow $behaviour tests/test_multihost_tf.py || status=1
+next_keras tensorflow > "$logs/next-tensorflow" 2>&1 || status=1
+cat "$logs/next-tensorflow"
 run torch torch $contract $behaviour || status=1
 XLA_FLAGS=$jax_flags run launch jax tests/test_launch.py || status=1
 wait "$first" || status=1
