@@ -43,6 +43,13 @@ fi
 # Of test_semantics, its shuffling tests (the whole of it would add a minute to CI).
 next_shuffling="tests/test_semantics.py::test_shuffling_equals_keras_under_a_seed
   tests/test_semantics.py::test_shuffling_moves_the_global_generators_as_keras_does"
+# The tests that follow what the next Keras does differently: its TensorFlow trainer's
+# per-output loss logs (tests/conftest.py's output_losses_follow_tracing), its torch
+# trainer's steps_per_execution.
+next_tensorflow="tests/test_semantics.py::test_named_outputs_with_dict_targets_and_loss_weights
+  tests/test_semantics.py::test_outputs_with_different_reductions_equal_one_device
+  tests/test_parallel.py::test_multi_input_multi_output_equals_one_device"
+next_torch="tests/test_parallel.py::test_steps_per_execution_equals_one_device"
 next_keras() {  # the exactness tests on the next Keras, on backend $1
   if [ -z "$next_wheel" ]; then
     echo "== the next Keras: no wheel at ../shared/keras-next; its exactness tests did not run"
@@ -52,7 +59,8 @@ next_keras() {  # the exactness tests on the next Keras, on backend $1
   PYTHONPATH="$logs/keras-next" KERAS_BACKEND=$1 .venv/bin/python -m pytest -q \
       -p no:cacheprovider tests/test_rules.py tests/test_engines.py \
       $([ "$1" = jax ] && echo tests/test_batching.py $next_shuffling) \
-      $([ "$1" = torch ] && echo tests/test_programs.py)
+      $([ "$1" = tensorflow ] && echo $next_tensorflow) \
+      $([ "$1" = torch ] && echo tests/test_programs.py $next_torch)
 }
 run() {  # a log name, a backend, then pytest's arguments: runs them, then prints the log
   local log=$1 backend=$2

@@ -93,6 +93,7 @@ def test_steps_per_execution_equals_one_device(dense_model):
         ref_history = reference.fit(x, y, batch_size=30, epochs=2, shuffle=False, verbose=0)
     except ValueError as refused:  # Keras 3.15's torch trainer refuses it: so do we
         assert keras.backend.backend() == "torch", refused
+        assert "steps_per_execution` must be 1" in str(refused), refused
         with pytest.raises(ValueError, match="steps_per_execution` must be 1"):
             compile_sgd(parallel, steps_per_execution=3).fit(x, y, batch_size=30, epochs=1,
                                                              verbose=0)

@@ -67,7 +67,8 @@ def _run(program, gpus, workdir, fit_kwargs=None, optimizer=None):
     kwargs["callbacks"] = [*kwargs.get("callbacks", []), epoch_totals]
     history = target.fit(**kwargs).history
     if hasattr(program, "fine_tune"):  # a second phase: the program changes and recompiles
-        program.fine_tune(model, target, **compile_kwargs)
+        program.fine_tune(model, target, **({} if optimizer is None
+                                             else {"optimizer": optimizer()}))
         second = target.fit(**kwargs).history
         history = {key: history[key] + second[key] for key in history}
     predicted = (target.predict(program.predict_x(), batch_size=25, verbose=0)

@@ -8,6 +8,7 @@ them, and on torch each test runs in TORCH_WORLD processes (see conftest).
 """
 
 import random
+import warnings
 
 import keras
 import numpy as np
@@ -552,7 +553,8 @@ def test_unfreezing_and_recompiling_trains_the_unfrozen_layers_as_one_device():
 
 def test_a_stateful_rnn_trains_as_on_one_device_where_a_step_sees_the_whole_batch():
     """JAX: a stateful LSTM's state, one row per sample of its fixed batch, carries from
-    batch to batch as on one device (other engines refuse it: test_errors)."""
+    batch to batch as on one device, with 6 rows on 4 devices (padded); other engines
+    refuse it (test_errors)."""
     from keras_multigpu import backends
 
     if not backends.has(backends.current(), "whole_batch"):
@@ -562,9 +564,50 @@ def test_a_stateful_rnn_trains_as_on_one_device_where_a_step_sees_the_whole_batc
     y = rng.normal(size=(24, 1)).astype("float32")
     plain, expected, template, parallel, history = _fit_both(
         stateful_model, lambda m: m.compile(optimizer="sgd", loss="mse"),
-        {"x": x, "y": y, "batch_size": 6, "epochs": 2, "shuffle": False}, gpus=3)
+        {"x": x, "y": y, "batch_size": 6, "epochs": 2, "shuffle": False}, gpus=4)
     _assert_history_close(expected, history)
     assert_weights_close(plain.get_weights(), template.get_weights())
+
+
+def test_a_layer_frozen_without_a_compile_does_what_keras_does():
+    """A layer frozen between two fits without a compile: Keras's backends differ, and ours
+    does what the backend's Keras does. TensorFlow's traced step keeps the trainable
+    variables it was traced with and trains the layer on (a twin made again at once, not at
+    the next compile, had kept the trained values in the old twin: the training was lost);
+    torch's eager step freezes it at once; JAX's refuses (its optimizer no longer fits).
+    A compile then freezes it everywhere."""
+    x, y = classification_data(29)
+    results = []
+    for wrap in (False, True):
+        keras.utils.set_random_seed(6)
+        template = _dense()
+        target = kmg.multi_gpu_model(template, gpus=engine_gpus(3)) if wrap else template
+        target.compile(optimizer="sgd", loss="categorical_crossentropy")
+        target.fit(x, y, batch_size=10, epochs=1, verbose=0)
+        first = template.layers[0]
+        first.trainable = False
+        before = np.copy(first.get_weights()[0])
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # Keras may warn that it needs a compile
+                target.fit(x, y, batch_size=10, epochs=1, verbose=0)
+            outcome = np.copy(first.get_weights()[0])
+        except ValueError as error:  # JAX's Keras leaves the model unusable after it
+            results.append((before, type(error), None))
+            continue
+        target.compile(optimizer="sgd", loss="categorical_crossentropy")
+        frozen = np.copy(first.get_weights()[0])
+        target.fit(x, y, batch_size=10, epochs=1, verbose=0)
+        assert np.array_equal(first.get_weights()[0], frozen)  # frozen by the compile
+        results.append((before, outcome, template.get_weights()))
+    (before, outcome, weights), (p_before, p_outcome, p_weights) = results
+    np.testing.assert_allclose(p_before, before, rtol=1e-5, atol=1e-6)
+    if isinstance(outcome, type):
+        assert p_outcome is outcome, f"one device raised {outcome.__name__}; ours: {p_outcome}"
+        return
+    assert not isinstance(p_outcome, type), f"ours raised {p_outcome.__name__}"
+    np.testing.assert_allclose(p_outcome, outcome, rtol=1e-5, atol=1e-6)
+    assert_weights_close(weights, p_weights)
 
 
 @pytest.mark.slow  # uncompiled steps: 15 s and more

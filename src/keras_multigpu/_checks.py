@@ -33,8 +33,9 @@ def _checked_step_result(template, step, result, stateless):
 def _check_batch_state(model):
     """Refuses layers whose state holds one row per sample of a fixed batch (stateful RNNs),
     on an engine where each device's step sees its share of the batch."""
-    stateful = [layer.name for layer in model._flatten_layers()
-                if getattr(layer, "stateful", False) is True]
+    layers = [layer for layer in model._flatten_layers() if bool(getattr(layer, "stateful", 0))]
+    inner = {id(sub) for layer in layers for sub in layer._flatten_layers(include_self=False)}
+    stateful = [layer.name for layer in layers if id(layer) not in inner]  # a Bidirectional once
     if stateful:
         raise ValueError(
             f"The model has stateful layer(s) {stateful} (stateful=True): their state keeps "

@@ -143,6 +143,8 @@ class ParallelModel(Calls, TemplateFace, keras.Model):
         self._devices = tuple(devices)
         self._backend = backend
         self._distribution = distribution
+        if self.num_replicas > 1 and not backends.has(backend, "whole_batch"):
+            _check_batch_state(template)  # several TensorFlow workers: replicas beyond `devices`
         self._synced_compile = None
         self._active = 0  # calls under way (`_placed`)
         self._fit_dataset = None  # the padded training data of the `fit` under way
@@ -314,6 +316,8 @@ class ParallelModel(Calls, TemplateFace, keras.Model):
                 else False,
                 run_eagerly=template.run_eagerly,
             )
+        if backends.has(self._backend, "recompile"):
+            self._backend.recompiled(self._state()[0], self._distribution)
         self._synced_compile = config
 
     # -- the template's steps ---------------------------------------------

@@ -46,6 +46,9 @@ would (the `check` test in tests/test_backends.py holds every engine to this):
   leaves the variables usable by the model alone at the end of a call
   (`failed`: ended by an exception); without it they serve it as they are
   (JAX's replicated arrays).
+- "recompile": `recompiled(variables, distribution)`, after the model is compiled again:
+  drops per-variable state that only a new trace may replace (TensorFlow's twins of
+  variables frozen or unfrozen since); elsewhere nothing outlives a compile.
 - "resident": `resident(arrays, distribution)` places a dataset on the
   devices once and returns `take(index)`, which gathers a batch there,
   already split (JAX); without it each batch travels from the host.
@@ -112,6 +115,7 @@ CAPABILITY_NAMES = {
     "check_model": ("check_model",),
     "jit": (),
     "release": ("release",),
+    "recompile": ("recompiled",),
     "resident": ("resident",),
     "shard": ("shard",),
     "free_memory": ("free_memory",),

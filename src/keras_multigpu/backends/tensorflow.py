@@ -62,7 +62,7 @@ from keras_multigpu.devices import (
 )
 
 # What this engine does beyond the seam's common names (see `keras_multigpu.backends`).
-CAPABILITIES = frozenset({"cpu_devices", "check_model", "release", "batch_spec"})
+CAPABILITIES = frozenset({"cpu_devices", "check_model", "release", "batch_spec", "recompile"})
 
 
 def configure_cpu_devices(count):
@@ -250,11 +250,6 @@ def replicate(variables, distribution, optimizers=()):
             continue  # not initialised yet: it will be created in scope
         mirrors = variable.__dict__.setdefault("_keras_multigpu_mirrors", {})
         mirrored = mirrors.get(strategy)
-        if mirrored is not None and mirrored.trainable != variable.trainable:
-            # Frozen or unfrozen since its twin was made (`layer.trainable = True`, then
-            # compile): the twin's kind follows (a frozen one is per replica and unwatched
-            # by the gradient tape, so an unfrozen layer would not train).
-            mirrored = None
         if value is mirrored:
             continue
         if not isinstance(value, tf.distribute.DistributedValues):
@@ -278,6 +273,20 @@ def replicate(variables, distribution, optimizers=()):
         optimizer._distribution_strategy = strategy
         if swapped:
             _reindex(optimizer)
+
+
+def recompiled(variables, distribution):
+    """The model was compiled again, so its steps will be traced afresh: a twin whose kind no
+    longer fits its variable, frozen or unfrozen since (`layer.trainable = True`, then
+    `compile`), is dropped, and the next `replicate` makes one that fits (a frozen
+    variable's twin is per replica and unwatched by the gradient tape: an unfrozen base
+    would not train). Between compiles a traced step keeps the twins it captured, as
+    Keras's keeps the trainable variables it was traced with."""
+    for variable in variables:
+        mirrors = variable.__dict__.get("_keras_multigpu_mirrors", {})
+        twin = mirrors.get(distribution.strategy)
+        if twin is not None and twin.trainable != variable.trainable:
+            del mirrors[distribution.strategy]
 
 
 def release(variables, distribution, optimizers=(), failed=False):
