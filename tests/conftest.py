@@ -142,10 +142,14 @@ def _output_losses_measured():
     output_losses_follow_tracing()
 
 
-def output_loss_keys(model):
-    """The `<output>_loss` log keys of a model with several outputs."""
+def comparable_keys(logs, model):
+    """The keys of `logs` (one device's, of `model`) that ours must equal: all of them,
+    less the `<output>_loss` keys of a model with several outputs where this Keras's own
+    figure follows tracing (see `output_losses_follow_tracing`)."""
     names = getattr(model, "output_names", None) or []
-    return {f"{name}_loss" for name in names} if len(names) > 1 else set()
+    if len(names) < 2 or not output_losses_follow_tracing():
+        return set(logs)
+    return set(logs) - {f"{name}_loss" for name in names}
 
 
 def stateful_model():

@@ -20,9 +20,8 @@ from conftest import (
     TORCH_WORLD,
     assert_weights_close,
     classification_data,
+    comparable_keys,
     engine_gpus,
-    output_loss_keys,
-    output_losses_follow_tracing,
     stateful_model,
 )
 
@@ -46,8 +45,7 @@ def _fit_both(build, compile_fn, fit_kwargs, gpus, seed=0):
 
 def _assert_history_close(a, b, rtol=1e-5):
     assert a.history.keys() == b.history.keys()
-    traced = output_loss_keys(a.model) if output_losses_follow_tracing() else set()
-    for key in set(a.history) - traced:  # see `output_losses_follow_tracing`
+    for key in comparable_keys(a.history, a.model):
         np.testing.assert_allclose(b.history[key], a.history[key], rtol=rtol, atol=1e-7,
                                    err_msg=key)
 
@@ -291,8 +289,7 @@ def test_named_outputs_with_dict_targets_and_loss_weights():
     evaluated = parallel.evaluate(x, y, batch_size=10, verbose=0, return_dict=True)
     reference = plain.evaluate(x, y, batch_size=10, verbose=0, return_dict=True)
     assert evaluated.keys() == reference.keys()
-    traced = output_loss_keys(plain) if output_losses_follow_tracing() else set()
-    for key in set(reference) - traced:  # see `output_losses_follow_tracing`
+    for key in comparable_keys(reference, plain):
         np.testing.assert_allclose(evaluated[key], reference[key], rtol=1e-5, err_msg=key)
 
 

@@ -30,9 +30,12 @@ def _checked_step_result(template, step, result, stateless):
     return result
 
 
-def _check_batch_state(model):
+def _check_batch_state(model, replicas, whole_batch):
     """Refuses layers whose state holds one row per sample of a fixed batch (stateful RNNs),
-    on an engine where each device's step sees its share of the batch."""
+    on several replicas of an engine where each sees its share of the batch (without the
+    `whole_batch` capability)."""
+    if replicas < 2 or whole_batch:
+        return
     layers = [layer for layer in model._flatten_layers() if bool(getattr(layer, "stateful", 0))]
     inner = {id(sub) for layer in layers for sub in layer._flatten_layers(include_self=False)}
     stateful = [layer.name for layer in layers if id(layer) not in inner]  # a Bidirectional once

@@ -73,8 +73,7 @@ def multi_gpu_model(model, gpus=None):
     if backends.has(backend, "check_model"):
         backend.check_model(model)
     chosen = devices_lib.select(gpus, backend.list_devices())
-    if len(chosen) > 1 and not backends.has(backend, "whole_batch"):
-        _check_batch_state(model)
+    _check_batch_state(model, len(chosen), backends.has(backend, "whole_batch"))
     if backends.has(backend, "process_per_device") and len(chosen) > 1 \
             and not launch.launched():
         launch.relaunch(len(chosen))  # as `keras-multigpu launch -n N` (does not return)
@@ -143,8 +142,8 @@ class ParallelModel(Calls, TemplateFace, keras.Model):
         self._devices = tuple(devices)
         self._backend = backend
         self._distribution = distribution
-        if self.num_replicas > 1 and not backends.has(backend, "whole_batch"):
-            _check_batch_state(template)  # several TensorFlow workers: replicas beyond `devices`
+        # Again for several TensorFlow workers, whose replicas reach beyond `devices`.
+        _check_batch_state(template, self.num_replicas, backends.has(backend, "whole_batch"))
         self._synced_compile = None
         self._active = 0  # calls under way (`_placed`)
         self._fit_dataset = None  # the padded training data of the `fit` under way
