@@ -124,6 +124,40 @@ def test_a_loss_reduction_weighed_by_rows_is_one_devices(split, reduction):
 
 
 @pytest.mark.parametrize("split", SPLITS, ids=str)
+@pytest.mark.parametrize("reduction", ["sum_over_batch_size", "sum", "mean_with_sample_weight",
+                                       "masked"])
+def test_a_one_value_loss_with_sample_weights_is_one_devices(split, reduction):
+    """A custom loss that returns its own mean (one value for the batch): Keras multiplies
+    it by the sample weights and reduces the products, so one device's loss is the mean
+    times a reduction of the whole batch's weights, which no replica has alone."""
+    n = sum(split)
+    rng = np.random.default_rng(2)
+    per_row = rng.uniform(0.5, 2.0, (n,)).astype("float32")
+    weights = rng.uniform(0.1, 1.0, (n,)).astype("float32")
+    mask = None
+    if reduction == "masked":
+        reduction, mask = "sum_over_batch_size", rng.uniform(size=(n,)) > 0.3
+        mask[0] = True
+
+    def reduce(rows=slice(0, n)):
+        value = per_row[rows].mean() if rows.stop > rows.start else np.float32("nan")
+        return loss_module.reduce_weighted_values(
+            keras.ops.convert_to_tensor(value), weights[rows],
+            None if mask is None else mask[rows], reduction)
+
+    one = _numpy(reduce())
+    replicas = _Replicas(split)
+    with rules.installed([
+        (loss_module, "reduce_weighted_values", rules.weighted_scalar, replicas.guard),
+        (loss_module, "reduce_values", rules.reduce_values, replicas.guard),
+        (loss_module, "apply_mask", rules.apply_mask, replicas.guard),
+    ]):
+        parts = replicas.run(lambda replica, rows: reduce(rows))
+    assert all(np.isfinite(_numpy(p)) for p, k in zip(parts, split) if k)
+    np.testing.assert_allclose(_weighed_sum(split, parts), one, rtol=1e-6)
+
+
+@pytest.mark.parametrize("split", SPLITS, ids=str)
 def test_an_added_loss_summed_over_rows_or_a_mean_is_one_devices(split):
     n = sum(split)
     per_row = np.random.default_rng(1).uniform(size=(n,)).astype("float32")

@@ -493,6 +493,26 @@ def test_outputs_with_different_reductions_equal_one_device():
     assert_weights_close(plain.get_weights(), template.get_weights())
 
 
+def test_a_loss_returning_its_own_mean_with_class_weights_equals_one_device():
+    """A custom loss that takes its own mean returns one value for the batch; Keras
+    multiplies it by the class (sample) weights, so one device's loss is that mean times
+    the mean of the whole batch's weights."""
+
+    def loss(y_true, y_pred):
+        return ops.mean(keras.losses.categorical_crossentropy(y_true, y_pred))
+
+    def compile_fn(model):
+        model.compile(optimizer="sgd", loss=loss, metrics=["accuracy"])
+
+    x, y = classification_data(29)
+    plain, expected, template, _, history = _fit_both(
+        _dense, compile_fn, {"x": x, "y": y, "class_weight": {0: 0.5, 1: 2.0, 2: 1.0},
+                             "batch_size": 10, "epochs": 2}, gpus=3,
+    )
+    _assert_history_close(expected, history)
+    assert_weights_close(plain.get_weights(), template.get_weights())
+
+
 # -- compile ---------------------------------------------------------------------------------
 
 

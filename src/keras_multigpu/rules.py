@@ -29,9 +29,9 @@ from keras_multigpu._keras import base_trainer, loss_module
 from keras_multigpu.rules_random import batch_draw, dropout, random_draw
 
 __all__ = [
-    "Replica", "weight", "weigh", "reduce_values", "apply_mask", "additional_loss",
-    "mean_update", "weighted_sum", "moments", "batch_draw", "random_draw", "dropout",
-    "global_result", "metrics_result", "metric_classes", "table", "installed",
+    "Replica", "weight", "weigh", "weighted_scalar", "reduce_values", "apply_mask",
+    "additional_loss", "mean_update", "weighted_sum", "moments", "batch_draw", "random_draw",
+    "dropout", "global_result", "metrics_result", "metric_classes", "table", "installed",
 ]
 
 
@@ -109,6 +109,27 @@ def reduce_values(replica, original, values, sample_weight=None,
     if masked:
         return total * share
     return keras.ops.divide_no_nan(total, keras.ops.cast(keras.ops.size(values), total.dtype))
+
+
+def weighted_scalar(replica, original, values, sample_weight=None, mask=None,
+                    reduction="sum_over_batch_size", dtype=None):
+    """Keras's `reduce_weighted_values` (`original`) where a loss returned one value for
+    the batch (a custom loss that takes its own mean) and has sample weights: Keras
+    multiplies that value by the weights and reduces the products, so one device's loss is
+    the value times the weights' reduction over the whole batch. The value is weighed as a
+    mean (as a scalar without weights is); the weights' reduction is made by the rules
+    above, and summed across replicas. Any other loss goes to Keras's function."""
+    values = keras.ops.convert_to_tensor(values, dtype=dtype)
+    if sample_weight is None or len(values.shape) != 0:
+        return original(values, sample_weight, mask, reduction, dtype)
+    # The weights' reduction, as of a loss of 1 per row (Keras would squeeze a replica's
+    # single weight to a scalar against the one value: a reduction no rule could weigh).
+    ones = keras.ops.ones(keras.ops.shape(sample_weight if mask is None else mask),
+                          values.dtype)
+    part = original(ones, sample_weight, mask, reduction, dtype)
+    whole = replica.all_reduce([weigh(replica, part)],
+                               "all-reduce of the sample weights of a one-value loss")[0]
+    return values * keras.ops.cast(whole, values.dtype)
 
 
 def apply_mask(replica, original, sample_weight, mask, dtype, reduction):
@@ -328,6 +349,7 @@ def table(step, call, random_module, draws, logs=None):
     module, whose `draws` (and `dropout`) are patched. `logs()` (else `call()`) gives the
     `Replica` that reads a step's logs, whose all-reduce may carry more (a stop flag)."""
     return [
+        (loss_module, "reduce_weighted_values", weighted_scalar, step),
         (loss_module, "reduce_values", reduce_values, step),
         (loss_module, "apply_mask", apply_mask, step),
         (base_trainer.Trainer, "_aggregate_additional_loss", additional_loss, step),

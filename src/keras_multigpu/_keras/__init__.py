@@ -66,10 +66,10 @@ def load(table, where):
 _MISSING = object()
 
 # What every engine and the data path use. Patched for a call (see the engines' rule
-# tables): loss_module.{reduce_values, apply_mask, scale/unscale_loss_for_distribution},
-# Trainer._aggregate_additional_loss, Trainer.get_metrics_result (or the backend trainer's
-# own, where it has one: the next Keras's torch trainer), Layer.{add_loss, _get_own_losses,
-# _clear_losses},
+# tables): loss_module.{reduce_weighted_values, reduce_values, apply_mask,
+# scale/unscale_loss_for_distribution}, Trainer._aggregate_additional_loss,
+# Trainer.get_metrics_result (or the backend trainer's own, where it has one: the next
+# Keras's torch trainer), Layer.{add_loss, _get_own_losses, _clear_losses},
 # Mean.update_state, BatchNormalization._moments, Optimizer.apply, each Metric's
 # result; on TensorFlow, where its CPU convolutions misshape an empty batch,
 # backend.nn.{conv, depthwise_conv, separable_conv}; patched for the process: every alias
@@ -87,8 +87,8 @@ PUBLIC = {
 COMMON = {
     "keras.src.backend": ("in_stateless_scope", "common.global_state.get_global_attribute",
                           "nn.conv", "nn.depthwise_conv", "nn.separable_conv"),
-    "keras.src.losses.loss": ("reduce_values", "apply_mask", "scale_loss_for_distribution",
-                              "unscale_loss_for_distribution",
+    "keras.src.losses.loss": ("reduce_weighted_values", "reduce_values", "apply_mask",
+                              "scale_loss_for_distribution", "unscale_loss_for_distribution",
                               "squeeze_or_expand_to_same_rank"),
     "keras.src.random.seed_generator": ("SeedGenerator", "draw_seed",
                                         "global_seed_generator"),
