@@ -202,6 +202,40 @@ def test_random_layers_draw_what_one_device_draws(gpus, rows, batch_size):
     _assert_same(*runs)
 
 
+def _mixing_model():
+    """Layers whose rows depend on the whole batch (`rules_random.whole_batch_layers`),
+    after a trainable convolution, whose gradient crosses replicas through them."""
+    # RandomElasticTransform runs on torch only. Keras's own fails in a JAX step, on one
+    # device too ("'str' object has no attribute '_error_repr'", Keras 3.15.1). On
+    # TensorFlow it draws one displacement field per image where the trace knows the
+    # batch's rows and one for the whole batch where it does not, and a batch gathered
+    # from the replicas has its rows unknown to the trace (docs/engines.md).
+    elastic = [] if BACKEND != "torch" else [
+        keras.layers.RandomElasticTransform(factor=1.0, value_range=(-5, 5), seed=3)]
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([
+        keras.Input((6, 6, 3)),
+        keras.layers.Conv2D(3, 1),
+        keras.layers.MixUp(seed=1),
+        keras.layers.CutMix(seed=2),
+        *elastic,
+        keras.layers.Flatten(),
+        keras.layers.Dense(3, activation="softmax"),
+    ])
+
+
+@pytest.mark.parametrize("gpus", [3] if BACKEND == "jax" else [2, 3])  # JAX: one global step
+def test_layers_that_mix_rows_of_the_batch_equal_one_device(gpus):
+    """MixUp and CutMix mix each image with another image of the batch (on one device, an
+    image of another device's rows), and RandomElasticTransform draws inside the backend's
+    image function: each replica runs them on the gathered batch and keeps its rows."""
+    x = np.random.default_rng(5).normal(size=(29, 6, 6, 3)).astype("float32")
+    data = (x, np.arange(29) % 3)
+    runs = [_train(count, 29, 10, build=_mixing_model, data=data, shuffle=True)
+            for count in (None, gpus)]
+    _assert_same(*runs)
+
+
 class _TokensAndPositions(keras.layers.Layer):
     """keras-io's TokenAndPositionEmbedding: token ids from the data, positions `arange`."""
 

@@ -394,6 +394,27 @@ def test_a_dropout_mask_is_one_devices(split):
         np.testing.assert_allclose(_numpy(part), one[start:start + k], rtol=1e-6)
 
 
+@pytest.mark.skipif(BACKEND == "torch", reason=(
+    "Keras's torch `beta` reseeds torch's process-wide generator, which these threads share; "
+    "the torch engine's replicas are processes, and tests/test_engines.py::"
+    "test_layers_that_mix_rows_of_the_batch_equal_one_device runs them there"))
+@pytest.mark.parametrize("split", SPLITS, ids=str)
+@pytest.mark.parametrize("layer", ["MixUp", "CutMix"])
+def test_a_layer_that_mixes_rows_across_the_batch_gives_one_devices_rows(split, layer):
+    """MixUp and CutMix mix each image with another image of the batch, on one device
+    often one of another replica's rows: each replica runs the layer on the gathered batch
+    (every replica's layer from the same seed, as every replica's copy of a model is)."""
+    n = sum(split)
+    images = np.random.default_rng(4).uniform(0, 255, (n, 5, 5, 3)).astype("float32")
+    build = getattr(keras.layers, layer)
+    one = _numpy(build(seed=7)(images, training=True))
+    parts = _Replicas(split).run(lambda replica, rows: rules.whole_batch(
+        replica, build.call, build(seed=7), keras.ops.convert_to_tensor(images[rows]),
+        training=True))
+    for (k, start), part in zip(zip(split, _starts(split)), parts):
+        np.testing.assert_allclose(_numpy(part), one[start:start + k], rtol=1e-6)
+
+
 def test_a_draw_not_shaped_by_the_rows_is_the_replicas_own():
     """A draw whose first dimension is no multiple of the rows (a weight's noise) is what
     one device draws, on every replica."""

@@ -26,12 +26,19 @@ import keras
 
 from keras_multigpu import _keras
 from keras_multigpu._keras import base_trainer, loss_module
-from keras_multigpu.rules_random import batch_draw, dropout, random_draw
+from keras_multigpu.rules_random import (
+    batch_draw,
+    dropout,
+    random_draw,
+    whole_batch,
+    whole_batch_layers,
+)
 
 __all__ = [
     "Replica", "weight", "weigh", "weighted_scalar", "reduce_values", "apply_mask",
     "additional_loss", "mean_update", "weighted_sum", "moments", "batch_draw", "random_draw",
-    "dropout", "global_result", "metrics_result", "metric_classes", "table", "installed",
+    "dropout", "whole_batch", "global_result", "metrics_result", "metric_classes", "table",
+    "installed",
 ]
 
 
@@ -357,6 +364,7 @@ def table(step, call, random_module, draws, logs=None):
         (keras.layers.BatchNormalization, "_moments", moments, step),
         *((random_module, name, random_draw, step) for name in draws),
         (random_module, "dropout", dropout, step),
+        *((cls, "call", whole_batch, step) for cls in whole_batch_layers()),
         *((cls, "result", global_result, call) for cls in metric_classes()),
         (metrics_owner(), "get_metrics_result", metrics_result, logs or call),
     ]
