@@ -236,6 +236,48 @@ def test_layers_that_mix_rows_of_the_batch_equal_one_device(gpus):
     _assert_same(*runs)
 
 
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="a model takes text on TensorFlow alone")
+def test_a_model_that_takes_text_equals_one_device():
+    """keras-io's end-to-end text model: TextVectorization inside the model, fed strings as
+    an object array, a tf.data dataset, and one batch (`train_on_batch`)."""
+    import tensorflow as tf
+
+    words = ["good movie", "bad film", "great plot and acting", "terrible", "fine I guess",
+             "awful and bad", "loved it", "a boring plot"]
+    rng = np.random.default_rng(0)
+    x = np.array([words[i] for i in rng.integers(0, len(words), 29)], dtype=object)
+    y = np.array([int(any(w in s for w in ("good", "great", "loved", "fine"))) for s in x])
+    vectorize = keras.layers.TextVectorization(max_tokens=20, output_sequence_length=4)
+    vectorize.adapt(words)
+    dataset = tf.data.Dataset.from_tensor_slices((x.astype(str), y)).batch(10)
+
+    def run(gpus):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((1,), dtype="string")
+        hidden = keras.layers.GlobalAveragePooling1D()(
+            keras.layers.Embedding(20, 4)(vectorize(inputs)))
+        model = keras.Model(inputs, keras.layers.Dense(1, activation="sigmoid")(hidden))
+        target = model if gpus is None else kmg.multi_gpu_model(model, gpus=gpus)
+        target.compile(optimizer="adam", loss="binary_crossentropy", metrics=["accuracy"])
+        figures = {"arrays": target.fit(x, y, batch_size=10, epochs=2, verbose=0).history,
+                   "dataset": target.fit(dataset, epochs=1, verbose=0).history,
+                   "evaluate": target.evaluate(dataset, verbose=0),
+                   "predict": target.predict(x, batch_size=7, verbose=0),
+                   "train_on_batch": target.train_on_batch(x[:7], y[:7])}
+        return model.get_weights(), figures
+
+    (one_weights, one), (our_weights, ours) = run(None), run(3)
+    for a, b in zip(one_weights, our_weights):
+        np.testing.assert_allclose(b, a, rtol=RTOL, atol=ATOL)
+    for name in ("evaluate", "predict", "train_on_batch"):
+        np.testing.assert_allclose(ours[name], one[name], rtol=RTOL, atol=ATOL, err_msg=name)
+    for name in ("arrays", "dataset"):
+        assert ours[name].keys() == one[name].keys()
+        for key in one[name]:
+            np.testing.assert_allclose(ours[name][key], one[name][key], rtol=RTOL, atol=ATOL,
+                                       err_msg=f"{name}: {key}")
+
+
 class _TokensAndPositions(keras.layers.Layer):
     """keras-io's TokenAndPositionEmbedding: token ids from the data, positions `arange`."""
 

@@ -8,7 +8,13 @@ import gc
 import keras
 
 from keras_multigpu import backends, batching, inputs, interrupt
-from keras_multigpu._checks import _check_fit_arguments, _check_names, _check_targets, _split
+from keras_multigpu._checks import (
+    _check_fit_arguments,
+    _check_names,
+    _check_targets,
+    _split,
+    _takes_text,
+)
 
 
 class Calls:
@@ -24,7 +30,7 @@ class Calls:
             put=self._put, engine_state=backend.random_state if generator else None,
             set_engine_state=backend.set_random_state if generator else None,
             to_backend=backend.to_backend if backends.has(backend, "to_backend") else None,
-            **kwargs)
+            text=_takes_text(self.template, backends.has(backend, "text")), **kwargs)
 
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
             callbacks=None, validation_split=0.0, validation_data=None,
@@ -128,7 +134,7 @@ class Calls:
         """One batch as the positional `x, y, sample_weight` of Keras's `*_on_batch`."""
         batch, _ = batching.pad_batch(
             batching._parts(x, y, sample_weight), self.num_replicas, self._backend.tag,
-            class_weight,
+            class_weight, _takes_text(self.template, backends.has(self._backend, "text")),
         )
         return batch
 

@@ -11,6 +11,15 @@ from keras import tree
 from keras_multigpu import batching
 
 
+def _takes_text(model, engine_can):
+    """Whether `model` may be fed text: on an engine whose model can take it (`engine_can`,
+    see `batching.check_dtypes`), a model with a string input, or one that declares none
+    (a subclassed model, which may hold a TextVectorization)."""
+    inputs = tree.flatten(getattr(model, "inputs", None) or [])
+    return engine_can and (not inputs or any(
+        getattr(t, "dtype", None) == "string" for t in inputs))
+
+
 def _checked_step_result(template, step, result, stateless):
     """The template's step result, refused with a clear error if Keras could not use it."""
     logs = result

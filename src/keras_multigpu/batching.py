@@ -140,19 +140,32 @@ def _numeric(dtype):
     return name, name == "bool" or name.startswith(("float", "int", "uint", "bfloat", "complex"))
 
 
-def check_dtypes(structure, what):
-    """Refuses arrays no model can take (strings, objects), as Keras does, but early."""
+def is_text(array):
+    """Whether `array` holds text: strings or bytes (NumPy's, a TensorFlow string tensor's),
+    or an object array of nothing else."""
+    dtype = getattr(array, "dtype", None)
+    if getattr(dtype, "name", None) == "string":  # TensorFlow's
+        return True
+    kind = getattr(dtype, "kind", None)
+    return kind in ("U", "S") or kind == "O" and all(
+        isinstance(value, (str, bytes)) for value in np.asarray(array).flat)
+
+
+def check_dtypes(structure, what, text=False):
+    """Refuses arrays no model can take (strings, objects), as Keras does, but early; text
+    where the model can take it (`text`: a TensorFlow model with a string input)."""
     for leaf in tree.flatten(structure):
         dtype = getattr(leaf, "dtype", None)
         if dtype is None:
             continue
         name, numeric = _numeric(dtype)
-        if not numeric:
+        if not numeric and not (text and is_text(leaf)):
             raise ValueError(
                 f"Invalid dtype: {name} in {what} (an array of shape {tuple(np.shape(leaf))}). "
                 "A model takes numbers: turn text into numbers first (e.g. "
                 "keras.layers.StringLookup or TextVectorization, applied to the data), and "
-                "object arrays into numeric ones (np.asarray(a, 'float32'))."
+                "object arrays into numeric ones (np.asarray(a, 'float32')). On TensorFlow, "
+                "a model whose input is keras.Input(..., dtype='string') takes text."
             )
 
 
@@ -219,7 +232,7 @@ def class_sample_weights(y, class_weight, sample_weight=None):
     )
 
 
-def pad_batch(batch, replicas, tag, class_weight=None):
+def pad_batch(batch, replicas, tag, class_weight=None, text=False):
     """Pads one `(x,)`, `(x, y)` or `(x, y, sample_weight)` batch, and tags it even when it
     needs no padding: Keras fixes a stream's data layout from its first batch, and
     TensorFlow's `*_on_batch` hand every replica the whole batch, which the marker splits.
@@ -235,7 +248,7 @@ def pad_batch(batch, replicas, tag, class_weight=None):
     """
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
     rows = _num_rows(x, "x")
-    check_dtypes((x, y, sample_weight), "a batch")
+    check_dtypes((x, y, sample_weight), "a batch", text)
     if rows == 0:
         raise ValueError("A batch has 0 rows. Every batch needs at least one sample.")
     if class_weight is not None:

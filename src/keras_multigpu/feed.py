@@ -12,6 +12,7 @@ from keras_multigpu._keras import data_adapters
 from keras_multigpu.batching import (
     _to_numpy,
     global_generators,
+    is_text,
     set_global_generators,
 )
 
@@ -273,6 +274,8 @@ class Feed(data_adapters.data_adapter.DataAdapter):
             def leaf(s):
                 shape = [rows if d is None else d for d in s.shape.as_list()]
                 shape[0] = rows
+                if s.dtype.name == "string":
+                    return np.full(shape, b"", object)
                 if self.arrays is not None:
                     return np.zeros(shape, s.dtype.as_numpy_dtype)
                 return np.ones(shape, s.dtype.as_numpy_dtype)
@@ -280,8 +283,20 @@ class Feed(data_adapters.data_adapter.DataAdapter):
 
         served = [tree.map_structure(np.asarray, self.serve(made_up(rows)))
                   for rows in (1, self.replicas + 1)]  # padded sizes that differ
+        # Keras's spec reads numbers: text (a TensorFlow model may take it) is stood in for.
+        text = [is_text(leaf) for leaf in tree.flatten(served[0])]
+        served = [tree.pack_sequence_as(batch, [
+            np.zeros(np.shape(leaf), "float32") if t else leaf
+            for leaf, t in zip(tree.flatten(batch), text)]) for batch in served]
+        signature = data_adapters.data_adapter_utils.get_tensor_spec(served)
+        if any(text):
+            import tensorflow as tf
+
+            signature = tree.pack_sequence_as(signature, [
+                tf.TensorSpec(s.shape, tf.string) if t else s
+                for s, t in zip(tree.flatten(signature), text)])
         # tf.data reads a list as one tensor: lists become tuples, as Keras's adapters do.
-        return tree.lists_to_tuples(data_adapters.data_adapter_utils.get_tensor_spec(served))
+        return tree.lists_to_tuples(signature)
 
     # -- exact resume (see `keras_multigpu.callbacks.Checkpoint`) ----------------
 

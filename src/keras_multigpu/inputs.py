@@ -46,7 +46,7 @@ def _array_server(x, y, sample_weight, plan, tag, take=None, put=None):
 def as_padded(x, y=None, sample_weight=None, *, batch_size=None, replicas, tag,
               shuffle=False, class_weight=None, drop_remainder=False, place=None,
               put=None, steps_per_epoch=None, engine_state=None, set_engine_state=None,
-              to_backend=None):
+              to_backend=None, text=False):
     """Turns what `Model.fit` accepts into a `Feed` of padded batches, in Keras's order.
 
     Args:
@@ -57,6 +57,7 @@ def as_padded(x, y=None, sample_weight=None, *, batch_size=None, replicas, tag,
         put: for array inputs kept on the host, a function that places one
             batch on the devices (batches are then prefetched).
         engine_state, set_engine_state, to_backend: see `Feed`.
+        text: whether the engine's model can take text (see `batching.check_dtypes`).
 
     Returns:
         `(data, feed)`: what to hand to Keras, and the `Feed` (the same object).
@@ -118,12 +119,12 @@ def as_padded(x, y=None, sample_weight=None, *, batch_size=None, replicas, tag,
                 "dict/list of them), a keras.utils.PyDataset, a generator, or a "
                 f"dataset of known length. Received: x of type {type(x).__name__}."
             ) from None
-        feed = Feed(inner, lambda batch: _stream_server(batch, replicas, tag),
+        feed = Feed(inner, lambda batch: _stream_server(batch, replicas, tag, text),
                     replicas=replicas, **options)
         return feed, feed
     rows = _num_rows(x, "x")
-    check_dtypes(x, "x")
-    check_dtypes(y, "y")
+    check_dtypes(x, "x", text)
+    check_dtypes(y, "y", text)
     check_dtypes(sample_weight, "sample_weight")
     for name, value in (("y", y), ("sample_weight", sample_weight)):
         if value is not None and _num_rows(value, name) != rows:
@@ -212,7 +213,7 @@ class _Iterable(data_adapters.GeneratorDataAdapter):
         return self._length
 
 
-def _stream_server(batch, replicas, tag):
+def _stream_server(batch, replicas, tag, text=False):
     """`serve` for a stream (PyDataset, generator, tf.data, DataLoader): every batch is
     tagged, since Keras fixes the data layout from an epoch's first batch."""
     if not isinstance(batch, (tuple, list)) or not 1 <= len(batch) <= 3:
@@ -223,4 +224,4 @@ def _stream_server(batch, replicas, tag):
                 "A batch of the input must be a tuple, either (inputs,) or (inputs, targets) "
                 "or (inputs, targets, sample_weights). Received: "
                 f"{type(batch).__name__}. Yield (x, y) batches, or (x,) for inputs alone.")
-    return pad_batch(tuple(batch), replicas, tag)[0]
+    return pad_batch(tuple(batch), replicas, tag, text=text)[0]

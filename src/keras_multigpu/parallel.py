@@ -21,7 +21,7 @@ import warnings
 import keras
 from keras import tree
 
-from keras_multigpu import backends, launch, processes
+from keras_multigpu import backends, batching, launch, processes
 from keras_multigpu import devices as devices_lib
 from keras_multigpu._calls import Calls
 from keras_multigpu._checks import (
@@ -110,7 +110,8 @@ def _builds_in_its_step(model):
 def _symbolic(value):
     if value is None:
         return None
-    return keras.KerasTensor(value.shape, keras.backend.standardize_dtype(value.dtype))
+    dtype = "string" if batching.is_text(value) else keras.backend.standardize_dtype(value.dtype)
+    return keras.KerasTensor(value.shape, dtype)
 
 
 class ParallelModel(Calls, TemplateFace, keras.Model):

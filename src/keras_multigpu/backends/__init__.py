@@ -83,6 +83,9 @@ would (the `check` test in tests/test_backends.py holds every engine to this):
   program), so state shaped by a fixed batch (a stateful RNN's) is one device's; without it
   each replica's step sees its share, and a model with such state is refused on several
   devices.
+- "text": the model can take text (string tensors: TensorFlow's, for a
+  TextVectorization or StringLookup inside the model); elsewhere arrays of
+  strings are refused before Keras reads them.
 - "metric_shares": `global_metric_state(variables)`, the metrics' global
   values from every process's share, and `local_metric_state(variables,
   values)`, this process's share of saved global values (torch, whose
@@ -127,6 +130,7 @@ CAPABILITY_NAMES = {
     "multi_step": (),
     "metric_shares": ("global_metric_state", "local_metric_state"),
     "whole_batch": (),
+    "text": (),
 }
 
 

@@ -62,7 +62,8 @@ from keras_multigpu.devices import (
 )
 
 # What this engine does beyond the seam's common names (see `keras_multigpu.backends`).
-CAPABILITIES = frozenset({"cpu_devices", "check_model", "release", "batch_spec", "recompile"})
+CAPABILITIES = frozenset({"cpu_devices", "check_model", "release", "batch_spec", "recompile",
+                          "text"})
 
 
 def configure_cpu_devices(count):
