@@ -481,6 +481,36 @@ class HalvedGradients(OwnStep):
             v.value.grad.mul_(0.5)
 
 
+@pytest.mark.parametrize("gpus", [3])
+def test_mixed_float16_equals_one_device_where_nothing_overflows(gpus):
+    """Keras's mixed_float16 wraps the optimizer in a LossScaleOptimizer, whose apply checks
+    the gradients and picks a step or a skip with `ops.cond` (on TensorFlow it failed across
+    replicas: "merge_call called while defining a new graph"). With a scale under which
+    nothing overflows, every step is taken, as on one device, within float16's precision.
+    Where float16 overflows, a replica's backward pass carries its rows' gradients n/k times
+    one device's, so it overflows sooner (docs/engines.md)."""
+    x, y = _data(29)
+    results = []
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        for count in (None, gpus):
+            model = _dense_model()
+            target = model if count is None else kmg.multi_gpu_model(model, gpus=count)
+            target.compile(optimizer=keras.optimizers.LossScaleOptimizer(
+                keras.optimizers.SGD(0.1), initial_scale=64.0),
+                loss="sparse_categorical_crossentropy")
+            history = target.fit(x, y, batch_size=10, epochs=2, verbose=0, shuffle=False)
+            results.append((model.get_weights(), history.history["loss"],
+                            int(keras.ops.convert_to_numpy(target.optimizer.iterations))))
+    finally:
+        keras.config.set_dtype_policy("float32")
+    (ref_weights, ref_loss, ref_steps), (weights, loss, steps) = results
+    assert steps == ref_steps == 6  # no step skipped
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-3)
+    for a, b in zip(ref_weights, weights):
+        np.testing.assert_allclose(b, a, rtol=1e-3, atol=1e-4)
+
+
 @pytest.mark.skipif(BACKEND != "torch", reason="torch's ranks check their gradients "
                     "themselves; one program checks the replicas' sum on the other engines")
 @pytest.mark.parametrize("gpus", [2])

@@ -113,12 +113,14 @@ def _check_targets(template, x, y, method, step):
 
 def _optimizers(model):
     """The model's optimizers: its compiled one, and any other it holds as an attribute
-    (directly, or in a list, tuple or dict), each once."""
+    (directly, or in a list, tuple or dict), each once, with the optimizer a wrapper holds
+    (a LossScaleOptimizer's, under mixed_float16)."""
     found = []
 
     def add(value):
         if isinstance(value, keras.optimizers.Optimizer) and all(value is not f for f in found):
             found.append(value)
+            add(getattr(value, "inner_optimizer", None))
 
     add(getattr(model, "optimizer", None))
     for value in vars(model).values():

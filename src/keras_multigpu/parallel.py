@@ -196,9 +196,9 @@ class ParallelModel(Calls, TemplateFace, keras.Model):
         variables = list(self.template.variables) + list(self.metrics_variables)
         for optimizer in optimizers:
             # Includes the iteration count and learning rate, which exist
-            # before the optimizer is built.
+            # before the optimizer is built (a wrapper's include its inner one's).
             variables += list(optimizer.variables)
-        return variables, optimizers
+        return list({id(v): v for v in variables}.values()), optimizers
 
     def _replicate_state(self):
         variables, optimizers = self._state()

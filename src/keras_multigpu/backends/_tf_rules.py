@@ -96,21 +96,29 @@ def _unsummable(gradient, reduced):
     return reduced
 
 
-def _apply(replica, original, self, grads, trainable_variables=None):
-    """Weighted all-reduce of the gradients, then the optimizer's own apply.
-
-    An optimizer first used inside the step (a GAN's `d_optimizer`, built by its first
+def _built(optimizer, trainable_variables):
+    """An optimizer first used inside the step (a GAN's `d_optimizer`, built by its first
     `apply`) is built outside the traced step first, as the model's own optimizer is
     before the step: mirrored variables made inside a replica's traced step have
-    initialisers `tf.function` cannot lift, and the step it then builds around them fails.
-    """
-    if not self.built and trainable_variables is not None:
-        with tf.init_scope(), keras.name_scope(self.name, caller=self):
-            self.build(list(trainable_variables))
+    initialisers `tf.function` cannot lift, and the step it then builds around them fails."""
+    if not optimizer.built and trainable_variables is not None:
+        with tf.init_scope(), keras.name_scope(optimizer.name, caller=optimizer):
+            optimizer.build(list(trainable_variables))
+
+
+def _reduced(replica, grads):
+    """The gradients weighed by k/n and summed across replicas, in one all-reduce."""
     present = [_summable(_weighed(replica, g)) for g in grads if g is not None]
-    if present:
-        reduced = iter(_all_reduce(present))
-        grads = [None if g is None else _unsummable(g, next(reduced)) for g in grads]
+    if not present:
+        return grads
+    reduced = iter(_all_reduce(present))
+    return [None if g is None else _unsummable(g, next(reduced)) for g in grads]
+
+
+def _apply(replica, original, self, grads, trainable_variables=None):
+    """Weighted all-reduce of the gradients, then the optimizer's own apply."""
+    _built(self, trainable_variables)
+    grads = _reduced(replica, grads)
     _replica.reduced = True
     try:
         return original(self, grads, trainable_variables)
@@ -118,20 +126,11 @@ def _apply(replica, original, self, grads, trainable_variables=None):
         _replica.reduced = False
 
 
-def _apply_gradients(replica, original, self, grads, trainable_variables):
-    """Keras's apply, once, across replicas, where it chooses with `ops.cond`.
-
-    Gradient accumulation (and an EMA overwrite frequency) pick between
-    updating and accumulating with a condition, and tf.distribute cannot
-    cross from a replica into the mirrored update inside one. The gradients
-    are all-reduced already, the same on every replica, so the whole apply
-    runs once outside the replicas, on the first replica's, and updates every
-    copy of every variable alike, as `strategy.extended.update` does.
-    """
-    if not getattr(_replica, "reduced", False) or not (
-        self.gradient_accumulation_steps or (self.use_ema and self.ema_overwrite_frequency)
-    ):
-        return original(self, grads, trainable_variables)
+def _once_across(apply, grads):
+    """`apply(grads)` once, outside the replicas, on the first replica's gradients (all
+    reduced already, the same on every replica), updating every copy of every variable
+    alike, as `strategy.extended.update` does: tf.distribute cannot cross from a replica
+    into a mirrored update inside an `ops.cond`."""
 
     def across(strategy, *grads):
         first = [None if g is None else strategy.experimental_local_results(g)[0]
@@ -143,11 +142,33 @@ def _apply_gradients(replica, original, self, grads, trainable_variables):
         interim.maybe_merge_call = lambda fn, strategy, *args, **kwargs: fn(
             strategy, *args, **kwargs)
         try:
-            original(self, first, trainable_variables)
+            apply(first)
         finally:
             interim.maybe_merge_call = maybe_merge_call
 
     tf.distribute.get_replica_context().merge_call(across, args=tuple(grads))
+
+
+def _apply_gradients(replica, original, self, grads, trainable_variables):
+    """Keras's apply, once, across replicas, where it chooses with `ops.cond`: gradient
+    accumulation (and an EMA overwrite frequency) pick between updating and accumulating
+    with a condition (see `_once_across`)."""
+    if not getattr(_replica, "reduced", False) or not (
+        self.gradient_accumulation_steps or (self.use_ema and self.ema_overwrite_frequency)
+    ):
+        return original(self, grads, trainable_variables)
+    _once_across(lambda first: original(self, first, trainable_variables), grads)
+
+
+def _loss_scale_apply(replica, original, self, grads, trainable_variables=None):
+    """`LossScaleOptimizer.apply` (mixed_float16): the weighted all-reduce, then Keras's
+    own apply once across replicas (`_once_across`): its finite check, on the summed
+    gradients as one device checks its own, then the inner optimizer's update or a skipped
+    step, and the scale's update, each chosen with `ops.cond`. (Keras's own TensorFlow path
+    checks each replica's unreduced gradients and takes the first replica's verdict.)"""
+    _built(self, trainable_variables)
+    _once_across(lambda first: self._common_apply(first, trainable_variables),
+                 _reduced(replica, grads))
 
 
 def _all_reduce_sum(replica, original, self, grads_and_vars):
@@ -252,6 +273,7 @@ def _rules_table():
     return [
         *((_keras.backend.nn, name, _any_rows, _step) for name in convolutions),
         (tf_optimizer.TFOptimizer, "apply", _apply, _step),
+        (keras.optimizers.LossScaleOptimizer, "apply", _loss_scale_apply, _step),
         (tf_optimizer.TFOptimizer, "_all_reduce_sum_gradients", _all_reduce_sum, _step),
         (tf_optimizer.TFOptimizer, "_backend_apply_gradients", _apply_gradients, _step),
         (loss_module, "scale_loss_for_distribution", _scale, _step),
