@@ -123,37 +123,65 @@ def test_a_loss_reduction_weighed_by_rows_is_one_devices(split, reduction):
     np.testing.assert_allclose(_weighed_sum(split, parts), one, rtol=1e-6)
 
 
-@pytest.mark.parametrize("split", SPLITS, ids=str)
+_ONE_VALUE_RULES = [
+    (loss_module, "reduce_weighted_values", rules.weighted_scalar),
+    (loss_module, "reduce_values", rules.reduce_values),
+    (loss_module, "apply_mask", rules.apply_mask),
+]
+
+
+# An eager replica of one row cannot tell one value for the batch from a per-row loss
+# squeezed to one value; the replicas of two rows or more decide (a split with none of them
+# takes it for a per-row loss): those splits are `test_a_per_row_loss_squeezed_...`'s.
+@pytest.mark.parametrize("split", [s for s in SPLITS if max(s) >= 2], ids=str)
 @pytest.mark.parametrize("reduction", ["sum_over_batch_size", "sum", "mean_with_sample_weight",
-                                       "masked"])
+                                       "masked", "masked_unweighted"])
 def test_a_one_value_loss_with_sample_weights_is_one_devices(split, reduction):
     """A custom loss that returns its own mean (one value for the batch): Keras multiplies
-    it by the sample weights and reduces the products, so one device's loss is the mean
-    times a reduction of the whole batch's weights, which no replica has alone."""
+    it by the sample weights (or the mask) and reduces the products, so one device's loss is
+    the mean times a reduction of the whole batch's weights, which no replica has alone."""
     n = sum(split)
     rng = np.random.default_rng(2)
     per_row = rng.uniform(0.5, 2.0, (n,)).astype("float32")
     weights = rng.uniform(0.1, 1.0, (n,)).astype("float32")
     mask = None
-    if reduction == "masked":
+    if reduction.startswith("masked"):
+        weights = None if reduction == "masked_unweighted" else weights
         reduction, mask = "sum_over_batch_size", rng.uniform(size=(n,)) > 0.3
         mask[0] = True
 
     def reduce(rows=slice(0, n)):
         value = per_row[rows].mean() if rows.stop > rows.start else np.float32("nan")
         return loss_module.reduce_weighted_values(
-            keras.ops.convert_to_tensor(value), weights[rows],
+            keras.ops.convert_to_tensor(value), None if weights is None else weights[rows],
             None if mask is None else mask[rows], reduction)
 
     one = _numpy(reduce())
     replicas = _Replicas(split)
-    with rules.installed([
-        (loss_module, "reduce_weighted_values", rules.weighted_scalar, replicas.guard),
-        (loss_module, "reduce_values", rules.reduce_values, replicas.guard),
-        (loss_module, "apply_mask", rules.apply_mask, replicas.guard),
-    ]):
+    with rules.installed([(*rule, replicas.guard) for rule in _ONE_VALUE_RULES]):
         parts = replicas.run(lambda replica, rows: reduce(rows))
     assert all(np.isfinite(_numpy(p)) for p, k in zip(parts, split) if k)
+    np.testing.assert_allclose(_weighed_sum(split, parts), one, rtol=1e-6)
+
+
+@pytest.mark.parametrize("split", [(2, 1), (3, 1, 1), (1, 1, 1, 0)], ids=str)
+def test_a_per_row_loss_squeezed_on_a_replica_of_one_row_is_one_devices(split):
+    """`ops.squeeze` makes a one-row replica's per-row loss one value: every replica still
+    joins the same all-reduce (none waits alone), and the loss is reduced per row."""
+    n = sum(split)
+    rng = np.random.default_rng(3)
+    per_row = rng.uniform(0.5, 2.0, (n, 1)).astype("float32")
+    weights = rng.uniform(0.1, 1.0, (n,)).astype("float32")
+
+    def reduce(rows=slice(0, n)):
+        values = keras.ops.squeeze(keras.ops.convert_to_tensor(per_row[rows]))
+        return loss_module.reduce_weighted_values(values, weights[rows])
+
+    one = _numpy(reduce())
+    replicas = _Replicas(split)
+    with rules.installed([(*rule, replicas.guard) for rule in _ONE_VALUE_RULES]):
+        parts = replicas.run(lambda replica, rows: reduce(rows))
+    assert len(set(replicas.calls)) == 1  # the same collectives on every replica
     np.testing.assert_allclose(_weighed_sum(split, parts), one, rtol=1e-6)
 
 

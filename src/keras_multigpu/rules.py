@@ -121,21 +121,32 @@ def reduce_values(replica, original, values, sample_weight=None,
 def weighted_scalar(replica, original, values, sample_weight=None, mask=None,
                     reduction="sum_over_batch_size", dtype=None):
     """Keras's `reduce_weighted_values` (`original`) where a loss returned one value for
-    the batch (a custom loss that takes its own mean) and has sample weights: Keras
-    multiplies that value by the weights and reduces the products, so one device's loss is
-    the value times the weights' reduction over the whole batch. The value is weighed as a
-    mean (as a scalar without weights is); the weights' reduction is made by the rules
-    above, and summed across replicas. Any other loss goes to Keras's function."""
+    the batch (a custom loss that takes its own mean) and has sample weights or a mask:
+    Keras multiplies that value by them and reduces the products, so one device's loss is
+    the value times their reduction over the whole batch. The value is weighed as a mean
+    (as a scalar alone is); the weights' reduction is made by the rules above, and summed
+    across replicas. Any other loss goes to Keras's function.
+
+    A traced step knows the values' rank, the same on every replica. An eager one (torch)
+    sees a replica of one row squeeze a per-row loss to one value (`ops.squeeze`), so there
+    every replica joins the all-reduce, which also counts the replicas of two rows or more
+    that saw one value: those decide, and no replica waits alone.
+    """
     values = keras.ops.convert_to_tensor(values, dtype=dtype)
-    if sample_weight is None or len(values.shape) != 0:
+    one_value = len(values.shape) == 0
+    if (sample_weight is None and mask is None) or reduction in (None, "none") or (
+            replica.traced and not one_value):
         return original(values, sample_weight, mask, reduction, dtype)
     # The weights' reduction, as of a loss of 1 per row (Keras would squeeze a replica's
     # single weight to a scalar against the one value: a reduction no rule could weigh).
     ones = keras.ops.ones(keras.ops.shape(sample_weight if mask is None else mask),
                           values.dtype)
     part = original(ones, sample_weight, mask, reduction, dtype)
-    whole = replica.all_reduce([weigh(replica, part)],
-                               "all-reduce of the sample weights of a one-value loss")[0]
+    votes = keras.ops.cast(one_value and not replica.traced and replica.k >= 2, part.dtype)
+    whole, votes = replica.all_reduce([weigh(replica, part), votes],
+                                      "all-reduce of the sample weights of a one-value loss")
+    if not one_value or (not replica.traced and not keras.ops.convert_to_numpy(votes) > 0):
+        return original(values, sample_weight, mask, reduction, dtype)
     return values * keras.ops.cast(whole, values.dtype)
 
 

@@ -132,9 +132,15 @@ def whole_batch(replica, original, layer, data, *args, **kwargs):
 
     def gather(x):
         x = keras.ops.convert_to_tensor(x)
-        buffer = keras.ops.scatter(keras.ops.expand_dims(rows, 1), x,
-                                   (n, *keras.ops.shape(x)[1:]))
-        return weighted_sum(replica, buffer, f"all-gather of the batch for {layer.name}")
+        dtype = keras.backend.standardize_dtype(x.dtype)
+        # Summed as float32 where an all-reduce may have no kernel (uint8 images, bools);
+        # exact, since each element is another than zero on one replica at most.
+        summed = dtype if dtype.startswith(("float", "bfloat")) or dtype in (
+            "int32", "int64") else "float32"
+        buffer = keras.ops.scatter(keras.ops.expand_dims(rows, 1),
+                                   keras.ops.cast(x, summed), (n, *keras.ops.shape(x)[1:]))
+        gathered = weighted_sum(replica, buffer, f"all-gather of the batch for {layer.name}")
+        return keras.ops.cast(gathered, dtype)
 
     batch = keras.tree.map_structure(gather, data)
     replica.k, replica.start = n, 0  # the layer's draws are one device's for the batch

@@ -70,8 +70,9 @@ _MISSING = object()
 # scale/unscale_loss_for_distribution}, Trainer._aggregate_additional_loss,
 # Trainer.get_metrics_result (or the backend trainer's own, where it has one: the next
 # Keras's torch trainer), Layer.{add_loss, _get_own_losses, _clear_losses},
-# Mean.update_state, BatchNormalization._moments, Optimizer.apply, each Metric's
-# result; on TensorFlow, where its CPU convolutions misshape an empty batch,
+# Mean.update_state, BatchNormalization._moments, Optimizer.apply, LossScaleOptimizer.apply
+# (TensorFlow; it calls _common_apply), {MixUp, CutMix, RandomElasticTransform}.call, each
+# Metric's result; on TensorFlow, where its CPU convolutions misshape an empty batch,
 # backend.nn.{conv, depthwise_conv, separable_conv}; patched for the process: every alias
 # of keras.saving.{save_model, save_weights}
 # (see `processes`). Where Keras offers the class or function publicly (keras.layers,
@@ -81,7 +82,7 @@ PUBLIC = {
     "keras.layers": ("Layer.add_loss", "Layer._get_own_losses", "Layer._clear_losses",
                      "BatchNormalization._moments"),
     "keras.metrics": ("Metric.result", "Mean.update_state"),
-    "keras.optimizers": ("Optimizer.apply",),
+    "keras.optimizers": ("Optimizer.apply", "LossScaleOptimizer._common_apply"),
     "keras.saving": ("save_model", "save_weights"),
 }
 COMMON = {
