@@ -20,6 +20,10 @@ from keras_multigpu._checks import (
 class Calls:
     """`fit`, `evaluate`, `predict` and `*_on_batch` of a `ParallelModel`."""
 
+    @property
+    def _takes_text(self):
+        return _takes_text(self.template, backends.has(self._backend, "text"))
+
     def _padded(self, x, y=None, sample_weight=None, **kwargs):
         _check_names(self.template, x, "x", "input")
         _check_names(self.template, y, "y", "output")
@@ -30,7 +34,7 @@ class Calls:
             put=self._put, engine_state=backend.random_state if generator else None,
             set_engine_state=backend.set_random_state if generator else None,
             to_backend=backend.to_backend if backends.has(backend, "to_backend") else None,
-            text=_takes_text(self.template, backends.has(backend, "text")), **kwargs)
+            text=self._takes_text, **kwargs)
 
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
             callbacks=None, validation_split=0.0, validation_data=None,
@@ -134,7 +138,7 @@ class Calls:
         """One batch as the positional `x, y, sample_weight` of Keras's `*_on_batch`."""
         batch, _ = batching.pad_batch(
             batching._parts(x, y, sample_weight), self.num_replicas, self._backend.tag,
-            class_weight, _takes_text(self.template, backends.has(self._backend, "text")),
+            class_weight, self._takes_text,
         )
         return batch
 

@@ -24,8 +24,14 @@ from typing import Any
 
 import keras
 
-from keras_multigpu import _keras
 from keras_multigpu._keras import base_trainer, loss_module
+from keras_multigpu.rules_metrics import (
+    generic_metrics_result,
+    global_result,
+    metric_classes,
+    metrics_owner,
+    metrics_result,
+)
 from keras_multigpu.rules_random import (
     batch_draw,
     dropout,
@@ -37,8 +43,8 @@ from keras_multigpu.rules_random import (
 __all__ = [
     "Replica", "weight", "weigh", "weighted_scalar", "reduce_values", "apply_mask",
     "additional_loss", "mean_update", "weighted_sum", "moments", "batch_draw", "random_draw",
-    "dropout", "whole_batch", "global_result", "metrics_result", "metric_classes", "table",
-    "installed",
+    "dropout", "whole_batch", "global_result", "metrics_result", "generic_metrics_result",
+    "metrics_owner", "metric_classes", "table", "installed",
 ]
 
 
@@ -289,75 +295,6 @@ def moments(replica, original, layer, inputs, mask):
     mean = keras.ops.squeeze(keras.ops.reshape(mean, shape), tuple(axes))
     variance = keras.ops.squeeze(keras.ops.reshape(variance, shape), tuple(axes))
     return keras.ops.cast(mean, inputs.dtype), keras.ops.cast(variance, inputs.dtype)
-
-
-def _global_state(replica, variables, what="all-reduce of the metrics"):
-    """`(variable, value)` pairs of every replica's state for `variables`: summed ones
-    summed, averaged ones averaged (one all-reduce); None when none is shared."""
-    kinds = [getattr(v, "aggregation", None) for v in variables]
-    shared = [i for i, kind in enumerate(kinds) if kind in ("sum", "mean")]
-    if not shared:
-        return None
-    values = [keras.ops.convert_to_tensor(v.value) for v in variables]
-    reduced = replica.all_reduce([values[i] for i in shared], what)
-    for i, value in zip(shared, reduced):
-        values[i] = value / replica.replicas if kinds[i] == "mean" else value
-    return list(zip(variables, values))
-
-
-def global_result(replica, original, metric):
-    """A metric's `result()` (`original`) from every replica's state: its summed variables
-    summed and its averaged ones averaged first, so that every replica's logs and
-    callbacks (the progress bar, EarlyStopping) see one device's figures."""
-    if _keras.backend.in_stateless_scope() or not metric.variables:
-        return original(metric)
-    state = _global_state(replica, metric.variables)
-    if state is None:
-        return original(metric)
-    with keras.StatelessScope(state_mapping=state):
-        return original(metric)
-
-
-def metrics_result(replica, original, trainer):
-    """Keras's `get_metrics_result` (`original`, the logs of a step): every metric's
-    `result()` from every replica's state, read with one all-reduce for them all.
-
-    Where the backend's trainer has a `get_metrics_result` of its own (`metrics_owner`),
-    its generic one, `Trainer`'s, reads the state: the next Keras's torch trainer sums every
-    metric variable across processes itself, one all-reduce each, whatever its aggregation.
-    """
-    if _keras.backend.in_stateless_scope():
-        return original(trainer)
-    variables = list({id(v): v for m in trainer.metrics for v in m.variables}.values())
-    state = _global_state(replica, variables) if variables else None
-    if state is None:
-        return generic_metrics_result(trainer)
-    with keras.StatelessScope(state_mapping=state):
-        return generic_metrics_result(trainer)
-
-
-def generic_metrics_result(trainer):
-    """Keras's generic `get_metrics_result` (`Trainer`'s, not a backend trainer's): every
-    metric's `result()`, from the state it holds."""
-    generic = base_trainer.Trainer.get_metrics_result
-    return getattr(generic, "_keras_multigpu_original", generic)(trainer)  # where patched
-
-
-def metrics_owner():
-    """The class whose `get_metrics_result` a Keras model runs: `Trainer`, or the
-    backend's trainer where it has its own (the next Keras's torch trainer)."""
-    return next(cls for cls in keras.Model.__mro__ if "get_metrics_result" in vars(cls))
-
-
-def metric_classes():
-    """Every Metric class defined so far that has its own `result` (the user's too)."""
-    found, stack = [], [keras.metrics.Metric]
-    while stack:
-        cls = stack.pop()
-        if "result" in vars(cls):
-            found.append(cls)
-        stack.extend(cls.__subclasses__())
-    return list(dict.fromkeys(found))
 
 
 def table(step, call, random_module, draws, logs=None):
