@@ -203,7 +203,7 @@ def test_random_layers_draw_what_one_device_draws(gpus, rows, batch_size):
 
 
 def _mixing_model():
-    """Layers whose rows depend on the whole batch (`rules_random.whole_batch_layers`),
+    """Layers whose rows depend on the whole batch (`rules_gather.mixing_layers`),
     after a trainable convolution, whose gradient crosses replicas through them."""
     # RandomElasticTransform runs on torch only. Keras's own fails in a JAX step, on one
     # device too ("'str' object has no attribute '_error_repr'", Keras 3.15.1). On
@@ -228,10 +228,38 @@ def _mixing_model():
 def test_layers_that_mix_rows_of_the_batch_equal_one_device(gpus):
     """MixUp and CutMix mix each image with another image of the batch (on one device, an
     image of another device's rows), and RandomElasticTransform draws inside the backend's
-    image function: each replica runs them on the gathered batch and keeps its rows."""
+    image function: each replica runs them on the gathered batch and keeps its rows. The
+    last batch (29 rows in batches of 14) leaves a replica without rows, whose backward
+    pass joins the gather's all-reduce too."""
     x = np.random.default_rng(5).normal(size=(29, 6, 6, 3)).astype("float32")
     data = (x, np.arange(29) % 3)
-    runs = [_train(count, 29, 10, build=_mixing_model, data=data, shuffle=True)
+    runs = [_train(count, 29, 14, build=_mixing_model, data=data, shuffle=True)
+            for count in (None, gpus)]
+    _assert_same(*runs)
+
+
+@pytest.mark.parametrize("gpus", [3])
+@pytest.mark.parametrize("loss", ["dice", "tversky"])
+def test_a_loss_of_one_value_for_the_batch_equals_one_device(gpus, loss):
+    """Dice and Tversky (`axis=None`) divide sums over the whole batch: each replica
+    computes them on the gathered batch. Batches of 4 on 3 devices leave replicas of one
+    row (their votes come from the replica of two), and the last batch of 3 one row each
+    (the loss keeps what the full batches decided). OneHotMeanIoU's state is int64, beside
+    the float sums of the other metric."""
+    rng = np.random.default_rng(6)
+    x = rng.normal(size=(47, 6)).astype("float32")
+    y = (rng.uniform(size=(47, 3)) > 0.5).astype("float32")  # labels, several per row
+
+    def build():  # sigmoid: with softmax rows and one label per row, Dice is a mean
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
+                                 keras.layers.Dense(3, activation="sigmoid")])
+
+    def compile(model):
+        model.compile(optimizer=keras.optimizers.SGD(0.5), loss=loss,
+                      metrics=[keras.metrics.OneHotMeanIoU(3, name="iou"), "binary_accuracy"])
+
+    runs = [_train(count, 47, 4, build=build, compile=compile, data=(x, y))
             for count in (None, gpus)]
     _assert_same(*runs)
 

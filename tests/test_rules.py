@@ -185,6 +185,85 @@ def test_a_per_row_loss_squeezed_on_a_replica_of_one_row_is_one_devices(split):
     np.testing.assert_allclose(_weighed_sum(split, parts), one, rtol=1e-6)
 
 
+class _OwnMean(keras.losses.Loss):
+    def call(self, y_true, y_pred):
+        return keras.ops.mean(keras.ops.square(y_true - y_pred))
+
+
+class _SqueezedPerRow(keras.losses.Loss):
+    """A per-row loss, squeezed: one value where a replica holds one row."""
+
+    def call(self, y_true, y_pred):
+        return keras.ops.squeeze(keras.ops.mean(y_true * y_pred, axis=-1, keepdims=True))
+
+
+_LOSSES = {
+    "dice": keras.losses.Dice,  # 1 - 2 * a sum over the batch / a sum
+    "tversky": lambda: keras.losses.Tversky(alpha=0.3, beta=0.7),
+    "own_mean": _OwnMean,
+    "squeezed_per_row": _SqueezedPerRow,
+    "mse": keras.losses.MeanSquaredError,
+}
+
+
+def _loss_rules(guard):
+    return [(*rule, guard) for rule in _ONE_VALUE_RULES] + [
+        (cls, "call", rules.one_value_loss, guard) for cls in rules.loss_classes()]
+
+
+def _decided(loss, y_true, y_pred, split):
+    """`loss`, after a step of two rows on every replica where `split` leaves no replica
+    two rows: nothing there tells one value from a squeezed row, and the loss keeps what
+    its steps of a full batch decided."""
+    if sum(split) <= len(split):
+        full = _Replicas((2,) * len(split))
+        wide_true, wide_pred = np.tile(y_true, (8, 1)), np.tile(y_pred, (8, 1))
+        with rules.installed(_loss_rules(full.guard)):
+            full.run(lambda replica, rows: loss(wide_true[rows], wide_pred[rows]))
+    return loss
+
+
+def _labels_and_predictions(n, seed):
+    rng = np.random.default_rng(seed)
+    return ((rng.uniform(size=(n, 3)) > 0.5).astype("float32"),
+            rng.uniform(0.05, 0.95, (n, 3)).astype("float32"))
+
+
+@pytest.mark.parametrize("split", SPLITS + [(1, 1, 0), (2, 1, 1)], ids=str)
+@pytest.mark.parametrize("name", list(_LOSSES))
+def test_a_loss_of_one_value_for_the_batch_is_computed_on_the_whole_batch(split, name):
+    """Dice and Tversky divide sums over the whole batch: no weighing of the replicas'
+    values gives one device's. A loss that returns one value is computed on the gathered
+    batch, on every replica; a per-row loss (squeezed to one value on a replica of one
+    row, too) is left to the reductions, and every replica runs the same collectives."""
+    y_true, y_pred = _labels_and_predictions(sum(split), 7)
+    one = _numpy(_LOSSES[name]()(y_true, y_pred))
+    loss = _decided(_LOSSES[name](), y_true, y_pred, split)
+    replicas = _Replicas(split)
+    with rules.installed(_loss_rules(replicas.guard)):
+        parts = replicas.run(lambda replica, rows: loss(y_true[rows], y_pred[rows]))
+    assert len(set(replicas.calls)) == 1  # the same collectives on every replica
+    np.testing.assert_allclose(_weighed_sum(split, parts), one, rtol=1e-6)
+    if name in ("dice", "tversky"):
+        for part in parts:  # every replica holds one device's value
+            np.testing.assert_allclose(_numpy(part), one, rtol=1e-6)
+
+
+@pytest.mark.parametrize("split", SPLITS, ids=str)
+def test_a_one_value_losss_gradient_reaches_each_replicas_rows(split):
+    """Each replica's gradient of the batch's Dice loss with respect to its own rows,
+    weighed by k / n as the engines weigh a replica's gradients, is one device's."""
+    y_true, y_pred = _labels_and_predictions(sum(split), 8)
+    one = _input_gradient(lambda p: keras.losses.Dice()(y_true, p), y_pred)
+    loss = _decided(keras.losses.Dice(), y_true, y_pred, split)
+    replicas = _Replicas(split)
+    with rules.installed(_loss_rules(replicas.guard)):
+        parts = replicas.run(lambda replica, rows: _input_gradient(
+            lambda p: loss(y_true[rows], p), y_pred[rows]))
+    weighed = np.concatenate([(k / sum(split)) * part for k, part in zip(split, parts)])
+    np.testing.assert_allclose(weighed, one, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("split", SPLITS, ids=str)
 def test_an_added_loss_summed_over_rows_or_a_mean_is_one_devices(split):
     n = sum(split)
@@ -436,7 +515,7 @@ def test_a_layer_that_mixes_rows_across_the_batch_gives_one_devices_rows(split, 
     images = np.random.default_rng(4).uniform(0, 255, (n, 5, 5, 3)).astype("float32")
     build = getattr(keras.layers, layer)
     one = _numpy(build(seed=7)(images, training=True))
-    parts = _Replicas(split).run(lambda replica, rows: rules.whole_batch(
+    parts = _Replicas(split).run(lambda replica, rows: rules.mixing_layer(
         replica, build.call, build(seed=7), keras.ops.convert_to_tensor(images[rows]),
         training=True))
     for (k, start), part in zip(zip(split, _starts(split)), parts):

@@ -25,6 +25,12 @@ from typing import Any
 import keras
 
 from keras_multigpu._keras import base_trainer, loss_module
+from keras_multigpu.rules_gather import (
+    loss_classes,
+    mixing_layer,
+    mixing_layers,
+    one_value_loss,
+)
 from keras_multigpu.rules_metrics import (
     generic_metrics_result,
     global_result,
@@ -32,19 +38,13 @@ from keras_multigpu.rules_metrics import (
     metrics_owner,
     metrics_result,
 )
-from keras_multigpu.rules_random import (
-    batch_draw,
-    dropout,
-    random_draw,
-    whole_batch,
-    whole_batch_layers,
-)
+from keras_multigpu.rules_random import batch_draw, dropout, random_draw
 
 __all__ = [
     "Replica", "weight", "weigh", "weighted_scalar", "reduce_values", "apply_mask",
     "additional_loss", "mean_update", "weighted_sum", "moments", "batch_draw", "random_draw",
-    "dropout", "whole_batch", "global_result", "metrics_result", "generic_metrics_result",
-    "metrics_owner", "metric_classes", "table", "installed",
+    "dropout", "mixing_layer", "one_value_loss", "global_result", "metrics_result",
+    "generic_metrics_result", "metrics_owner", "metric_classes", "table", "installed",
 ]
 
 
@@ -56,7 +56,8 @@ class Replica:
         k, n, start: this replica's real rows, the global batch's, and where its rows
             start in the global batch: Python ints (eager engines), or scalar int tensors
             (engines that trace the step with a dynamic batch). None outside a step (a
-            metric's `result()` read at the end of an epoch needs only the sums).
+            metric's `result()` read at the end of an epoch needs only the sums). The
+            engines split the rows evenly: k is n // replicas, or one more.
         replicas: how many replicas there are (a Python int).
         index: this replica's place among them, 0 to replicas - 1 (an int, or a scalar
             int tensor): where `moments` puts its sums in the buffer every replica fills.
@@ -312,7 +313,8 @@ def table(step, call, random_module, draws, logs=None):
         (keras.layers.BatchNormalization, "_moments", moments, step),
         *((random_module, name, random_draw, step) for name in draws),
         (random_module, "dropout", dropout, step),
-        *((cls, "call", whole_batch, step) for cls in whole_batch_layers()),
+        *((cls, "call", mixing_layer, step) for cls in mixing_layers()),
+        *((cls, "call", one_value_loss, step) for cls in loss_classes()),
         *((cls, "result", global_result, call) for cls in metric_classes()),
         (metrics_owner(), "get_metrics_result", metrics_result, logs or call),
     ]

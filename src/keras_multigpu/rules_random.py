@@ -1,7 +1,6 @@
 """The exactness rules for random draws, written once in `keras.ops` (see `rules`): a draw
 whose first dimension is the replica's rows is drawn for the global batch and sliced to
-the replica's rows, so each row gets one device's numbers; Dropout's mask likewise; and
-layers whose rows depend on the whole batch run on the batch gathered from every replica."""
+the replica's rows, so each row gets one device's numbers; Dropout's mask likewise."""
 
 import inspect
 
@@ -106,46 +105,3 @@ def dropout(replica, original, inputs, rate, noise_shape=None, seed=None):
         return original(ones, rate, None if noise_shape is None else shape, seed)
 
     return inputs * batch_draw(replica, draw, concrete, seed)
-
-
-def whole_batch_layers():
-    """Keras's layers whose rows depend on the whole batch: MixUp and CutMix mix each image
-    with another image of the batch, and RandomElasticTransform draws its displacements
-    inside the backend's image function, not through the draws above."""
-    names = ("MixUp", "CutMix", "RandomElasticTransform")
-    return tuple(getattr(keras.layers, name) for name in names if hasattr(keras.layers, name))
-
-
-def whole_batch(replica, original, layer, data, *args, **kwargs):
-    """A `whole_batch_layers` layer's `call` (`original`) on the global batch.
-
-    Every replica gathers the batch (each fills its rows of an n-row buffer, and one
-    all-reduce sums them, whose gradient keeps the rule), runs the layer on it with the
-    draws of one device for n rows, and keeps its own rows of the result. So too where
-    the layer passes its rows through (`training=False`): every replica joins the
-    all-reduce, and Keras's layer is never called on a replica's share of no rows.
-    """
-    from keras_multigpu.rules import weighted_sum  # `rules` imports this module
-
-    k, n, start = replica.k, replica.n, replica.start
-    rows = keras.ops.arange(k) + start
-
-    def gather(x):
-        x = keras.ops.convert_to_tensor(x)
-        dtype = keras.backend.standardize_dtype(x.dtype)
-        # Summed as float32 where an all-reduce may have no kernel (uint8 images, bools);
-        # exact, since each element is another than zero on one replica at most.
-        summed = dtype if dtype.startswith(("float", "bfloat")) or dtype in (
-            "int32", "int64") else "float32"
-        buffer = keras.ops.scatter(keras.ops.expand_dims(rows, 1),
-                                   keras.ops.cast(x, summed), (n, *keras.ops.shape(x)[1:]))
-        gathered = weighted_sum(replica, buffer, f"all-gather of the batch for {layer.name}")
-        return keras.ops.cast(gathered, dtype)
-
-    batch = keras.tree.map_structure(gather, data)
-    replica.k, replica.start = n, 0  # the layer's draws are one device's for the batch
-    try:
-        mixed = original(layer, batch, *args, **kwargs)
-    finally:
-        replica.k, replica.start = k, start
-    return keras.tree.map_structure(lambda x: keras.ops.take(x, rows, axis=0), mixed)

@@ -72,9 +72,9 @@ _MISSING = object()
 # Keras's torch trainer), Layer.{add_loss, _get_own_losses, _clear_losses},
 # Mean.update_state, BatchNormalization._moments, Optimizer.apply, LossScaleOptimizer.apply
 # (TensorFlow; it calls _common_apply), {MixUp, CutMix, RandomElasticTransform}.call, each
-# Metric's result; on TensorFlow, where its CPU convolutions misshape an empty batch,
-# backend.nn.{conv, depthwise_conv, separable_conv}; patched for the process: every alias
-# of keras.saving.{save_model, save_weights}
+# Metric's result, each Loss's call but CompileLoss's; on TensorFlow, where its CPU
+# convolutions misshape an empty batch, backend.nn.{conv, depthwise_conv, separable_conv};
+# patched for the process: every alias of keras.saving.{save_model, save_weights}
 # (see `processes`). Where Keras offers the class or function publicly (keras.layers,
 # keras.metrics, keras.saving, keras.StatelessScope, keras.ops.is_tensor), it is taken from
 # there, and only its private attributes are checked here.
@@ -93,7 +93,7 @@ COMMON = {
                               "squeeze_or_expand_to_same_rank"),
     "keras.src.random.seed_generator": ("SeedGenerator", "draw_seed",
                                         "global_seed_generator"),
-    "keras.src.trainers.trainer": ("Trainer._aggregate_additional_loss",),
+    "keras.src.trainers.trainer": ("Trainer._aggregate_additional_loss", "CompileLoss"),
     # The data adapters' package, whose own imports bring its modules.
     "keras.src.trainers.data_adapters": (
         "get_data_adapter", "data_adapter.DataAdapter", "GeneratorDataAdapter",

@@ -52,8 +52,19 @@ def _placed(value):
 
 
 def _all_reduce(values, reduction=tf.distribute.ReduceOp.SUM):
-    return tf.distribute.get_replica_context().all_reduce(
-        reduction, tf.nest.map_structure(_placed, values))
+    """`values` (a list) reduced across replicas, one all-reduce per dtype: TensorFlow packs
+    a list into one buffer, which fails where the dtypes differ (OneHotMeanIoU's int64
+    confusion matrix beside a float metric's sums)."""
+    context = tf.distribute.get_replica_context()
+    values = [_placed(v) for v in values]
+    groups = {}
+    for i, value in enumerate(values):
+        groups.setdefault(value.dtype, []).append(i)
+    reduced = list(values)
+    for indices in groups.values():
+        for i, value in zip(indices, context.all_reduce(reduction, [values[i] for i in indices])):
+            reduced[i] = value
+    return reduced
 
 
 def all_reduce(values, what):

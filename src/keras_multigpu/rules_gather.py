@@ -1,0 +1,103 @@
+"""The exactness rules that need the whole batch, written once in `keras.ops` (see `rules`):
+a layer that mixes rows across the batch, and a loss that returns one value for the batch,
+run on the batch gathered from every replica."""
+
+import keras
+
+from keras_multigpu._keras import base_trainer
+
+
+def gather(replica, x, what):
+    """The global batch's rows of `x`, whose rows are this replica's: every replica pads
+    its rows with zeros to the n rows of the batch, and one all-reduce sums them
+    (`rules.weighted_sum`, whose gradient keeps the rule). The padding keeps a replica of
+    no rows in the gradient's graph, so that its backward pass joins the all-reduce too."""
+    from keras_multigpu.rules import weighted_sum  # `rules` imports this module
+
+    x = keras.ops.convert_to_tensor(x)
+    dtype = keras.backend.standardize_dtype(x.dtype)
+    # Summed as float32 where an all-reduce may have no kernel (uint8 images, bools);
+    # exact, since each element is another than zero on one replica at most.
+    summed = dtype if dtype.startswith(("float", "bfloat")) or dtype in (
+        "int32", "int64") else "float32"
+    after = replica.n - replica.start - replica.k
+    buffer = keras.ops.pad(keras.ops.cast(x, summed),
+                           [[replica.start, after]] + [[0, 0]] * (len(x.shape) - 1))
+    return keras.ops.cast(weighted_sum(replica, buffer, what), dtype)
+
+
+def mixing_layers():
+    """Keras's layers whose rows depend on the whole batch: MixUp and CutMix mix each image
+    with another image of the batch, and RandomElasticTransform draws its displacements
+    inside the backend's image function, not through `rules_random`'s draws."""
+    names = ("MixUp", "CutMix", "RandomElasticTransform")
+    return tuple(getattr(keras.layers, name) for name in names if hasattr(keras.layers, name))
+
+
+def mixing_layer(replica, original, layer, data, *args, **kwargs):
+    """A `mixing_layers` layer's `call` (`original`) on the global batch.
+
+    Every replica gathers the batch, runs the layer on it with the draws of one device for
+    n rows, and keeps its own rows of the result. So too where the layer passes its rows
+    through (`training=False`): every replica joins the all-reduce, and Keras's layer is
+    never called on a replica's share of no rows.
+    """
+    k, start = replica.k, replica.start
+    batch = keras.tree.map_structure(
+        lambda x: gather(replica, x, f"all-gather of the batch for {layer.name}"), data)
+    replica.k, replica.start = replica.n, 0  # the layer's draws are one device's for the batch
+    try:
+        mixed = original(layer, batch, *args, **kwargs)
+    finally:
+        replica.k, replica.start = k, start
+    rows = keras.ops.arange(k) + start
+    return keras.tree.map_structure(lambda x: keras.ops.take(x, rows, axis=0), mixed)
+
+
+def loss_classes():
+    """Every Loss class defined so far with a `call` of its own (the user's too), but the
+    loss a model compiles from them (`CompileLoss`), whose one value is their sum."""
+    found, stack = [], [keras.losses.Loss]
+    while stack:
+        cls = stack.pop()
+        if "call" in vars(cls) and not issubclass(cls, base_trainer.CompileLoss):
+            found.append(cls)
+        stack.extend(cls.__subclasses__())
+    return list(dict.fromkeys(found))
+
+
+def one_value_loss(replica, original, loss, y_true, y_pred):
+    """A Loss's `call` (`original`): where it returns one value for the batch, not one per
+    row, that value is computed on the global batch.
+
+    Such a loss need not be a mean over the rows: Dice and Tversky (`axis=None`) divide
+    sums over the whole batch, which no weighing of the replicas' values gives. Every
+    replica computes the same value from the gathered `y_true` and `y_pred`; the gather's
+    gradient hands each replica its rows' part of it.
+
+    A traced step knows the value's rank, the same on every replica. An eager one (torch)
+    sees a replica of one row squeeze a per-row loss to one value (`ops.squeeze`): where
+    the batch leaves some replica fewer than two rows, every replica joins one all-reduce
+    that counts the replicas of two rows or more that saw one value, and those decide.
+    Where no replica has two rows, the loss keeps what an earlier step decided (the same
+    on every replica), else its values are taken as they come.
+    """
+    from keras_multigpu.rules import _rank
+
+    values = original(loss, y_true, y_pred)
+    one_value = _rank(values) == 0  # None where a traced rank is unknown: Keras's own case
+    if not replica.traced:  # the rows are split evenly: k is n // R or n // R + 1
+        n, k = int(replica.n), int(replica.k)
+        if n <= replica.replicas:
+            one_value = getattr(loss, "_keras_multigpu_one_value", False)
+        else:
+            if n < 2 * replica.replicas:
+                votes = keras.ops.convert_to_tensor(float(one_value and k >= 2))
+                votes = replica.all_reduce([votes], f"all-reduce of {loss.name}'s rank")[0]
+                one_value = bool(keras.ops.convert_to_numpy(votes) > 0)
+            loss._keras_multigpu_one_value = one_value
+    if not one_value:
+        return values
+    what = f"all-gather of the batch for {loss.name}"
+    return original(loss, *(keras.tree.map_structure(
+        lambda x: gather(replica, x, what), y) for y in (y_true, y_pred)))
