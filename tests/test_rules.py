@@ -249,6 +249,29 @@ def test_a_loss_of_one_value_for_the_batch_is_computed_on_the_whole_batch(split,
             np.testing.assert_allclose(_numpy(part), one, rtol=1e-6)
 
 
+@pytest.mark.parametrize("split", [(3, 2), (2, 1, 1), (1, 1, 0)], ids=str)
+def test_a_one_value_loss_of_rows_not_the_replicas_is_its_own(split):
+    """A custom step's loss of tensors whose rows are not the replica's (real and
+    generated rows, concatenated: 2k) is no batch to gather: each replica keeps its own
+    value, and none joins a collective the others skip."""
+    y_true, y_pred = _labels_and_predictions(8 * len(split), 9)
+    loss = keras.losses.Dice()
+
+    def doubled(rows):
+        twice = np.r_[y_true[rows], y_true[rows]], np.r_[y_pred[rows], y_pred[rows]]
+        return _numpy(loss(*twice)), _numpy(keras.losses.Dice()(*twice))
+
+    full = _Replicas((2,) * len(split))  # the loss's full batches decide, as in `_decided`
+    with rules.installed(_loss_rules(full.guard)):
+        full.run(lambda replica, rows: doubled(rows))
+    replicas = _Replicas(split)
+    with rules.installed(_loss_rules(replicas.guard)):
+        parts = replicas.run(lambda replica, rows: doubled(rows))
+    assert len(set(replicas.calls)) == 1
+    for ours, own in parts:
+        np.testing.assert_allclose(ours, own, rtol=1e-6)
+
+
 @pytest.mark.parametrize("split", SPLITS, ids=str)
 def test_a_one_value_losss_gradient_reaches_each_replicas_rows(split):
     """Each replica's gradient of the batch's Dice loss with respect to its own rows,

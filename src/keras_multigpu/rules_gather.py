@@ -85,11 +85,14 @@ def one_value_loss(replica, original, loss, y_true, y_pred):
     from keras_multigpu.rules import _rank
 
     values = original(loss, y_true, y_pred)
-    one_value = _rank(values) == 0  # None where a traced rank is unknown: Keras's own case
+    # None where a traced rank is unknown: Keras's own case. Tensors whose rows are not the
+    # replica's (a custom step's loss of real and generated rows, concatenated) are left.
+    rows = all(_replicas_rows(replica, x) for x in keras.tree.flatten((y_true, y_pred)))
+    one_value = _rank(values) == 0 and rows
     if not replica.traced:  # the rows are split evenly: k is n // R or n // R + 1
         n, k = int(replica.n), int(replica.k)
         if n <= replica.replicas:
-            one_value = getattr(loss, "_keras_multigpu_one_value", False)
+            one_value = rows and getattr(loss, "_keras_multigpu_one_value", False)
         else:
             if n < 2 * replica.replicas:
                 votes = keras.ops.convert_to_tensor(float(one_value and k >= 2))
@@ -101,3 +104,15 @@ def one_value_loss(replica, original, loss, y_true, y_pred):
     what = f"all-gather of the batch for {loss.name}"
     return original(loss, *(keras.tree.map_structure(
         lambda x: gather(replica, x, what), y) for y in (y_true, y_pred)))
+
+
+def _replicas_rows(replica, x):
+    """Whether `x`'s first dimension may be this replica's rows: equal to k where both are
+    known, and unknown in a trace whose batch dimension is dynamic."""
+    shape = () if x is None else keras.ops.shape(x)
+    if not shape:
+        return False
+    rows = shape[0]
+    if replica.traced:
+        return not isinstance(rows, int)  # a static first dimension is not this step's rows
+    return int(rows) == int(replica.k)
