@@ -284,6 +284,32 @@ def test_fit_without_targets_for_a_compiled_loss_is_refused(parallel, no_trainin
         parallel.fit(x, epochs=1, verbose=0)
 
 
+class _OwnStep(keras.Model):
+    def train_step(self, data):  # never reached: the batch is refused first
+        raise AssertionError("the step ran")
+
+
+class _StackedPairs(keras.utils.PyDataset):
+    """Anchors and positives stacked on the first axis, as keras-io's metric learning
+    example feeds its model's own train_step (`data[0]`, `data[1]`)."""
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, index):
+        return np.random.default_rng(index).normal(size=(2, 4, 6)).astype("float32")
+
+
+def test_a_batch_whose_first_axis_is_not_its_samples_is_named():
+    inputs = keras.Input((6,))
+    parallel = kmg.multi_gpu_model(_OwnStep(inputs, keras.layers.Dense(4)(inputs)),
+                                   gpus=engine_gpus(2))
+    parallel.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    with pytest.raises(ValueError, match=r"_OwnStep has its own train_step.*x of shape "
+                                         r"\(\w+, 4, 6\).*cannot be split"):
+        parallel.fit(_StackedPairs(), epochs=1, verbose=0)
+
+
 @pytest.mark.parametrize("x, dtype", [
     (np.array([["a"] * 6] * 10), "str"),
     (np.array([[1, "b", None, 2, 3, 4]] * 10, dtype=object), "object"),

@@ -20,6 +20,30 @@ def _takes_text(model, engine_can):
         getattr(t, "dtype", None) == "string" for t in inputs))
 
 
+def _rows_not_first(template, data_batch, error):
+    """A clearer error where a model with its own `train_step` cannot be built from the
+    batch it is fed (`error`, Keras's ValueError), else None.
+
+    Such a step may take a batch whose first axis is not the samples (the anchors and
+    positives of a metric-learning example stacked on axis 0, `data[0]` and `data[1]`):
+    one device never calls the model on the batch, but any data-parallel engine splits
+    the batch along its first axis, one share per device.
+    """
+    if type(template).train_step is keras.Model.train_step:
+        return None
+    x = data_batch[0] if isinstance(data_batch, (tuple, list)) else data_batch
+    shapes = tree.map_structure(lambda t: tuple(getattr(t, "shape", ())), x)
+    return ValueError(
+        f"{type(template).__name__} has its own train_step, and the model cannot take the "
+        f"batch it is fed: x of shape {shapes}. keras-multigpu, like any data-parallel "
+        "engine, reads the first axis of every array as the samples, splits it among the "
+        "devices, and builds the model, its loss and metrics from a batch. A batch whose "
+        "first axis is not its samples (anchors and positives stacked on axis 0, read as "
+        "data[0] and data[1]) cannot be split: feed batches whose arrays each have the "
+        f"samples first, or train this model without the wrapper. Keras said: {error}"
+    )
+
+
 def _checked_step_result(template, step, result, stateless):
     """The template's step result, refused with a clear error if Keras could not use it."""
     logs = result

@@ -31,6 +31,7 @@ from keras_multigpu._checks import (
     _checked_step_result,
     _compile_arguments,
     _optimizers,
+    _rows_not_first,
 )
 from keras_multigpu._face import TemplateFace
 
@@ -249,7 +250,13 @@ class ParallelModel(Calls, TemplateFace, keras.Model):
                 break
         if data_batch is not None:
             data_batch = self._backend.untag(tree.map_structure(_symbolic, data_batch))
-        self.template._symbolic_build(data_batch=data_batch)
+        try:
+            self.template._symbolic_build(data_batch=data_batch)
+        except ValueError as error:
+            clearer = _rows_not_first(self.template, data_batch, error)
+            if clearer is None:
+                raise
+            raise clearer from error
         self.built = True
         if building:  # new variables: `_placed` replicated those that existed
             self._replicate_state()
