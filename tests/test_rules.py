@@ -197,8 +197,16 @@ class _SqueezedPerRow(keras.losses.Loss):
         return keras.ops.squeeze(keras.ops.mean(y_true * y_pred, axis=-1, keepdims=True))
 
 
+class _DiceAndVariance(keras.losses.Loss):
+    """A custom loss over the batch that calls another (a Dice, itself over the batch)."""
+
+    def call(self, y_true, y_pred):
+        return keras.losses.Dice()(y_true, y_pred) + keras.ops.var(y_pred)
+
+
 _LOSSES = {
     "dice": keras.losses.Dice,  # 1 - 2 * a sum over the batch / a sum
+    "dice_and_variance": _DiceAndVariance,
     "tversky": lambda: keras.losses.Tversky(alpha=0.3, beta=0.7),
     "own_mean": _OwnMean,
     "squeezed_per_row": _SqueezedPerRow,
@@ -244,7 +252,7 @@ def test_a_loss_of_one_value_for_the_batch_is_computed_on_the_whole_batch(split,
         parts = replicas.run(lambda replica, rows: loss(y_true[rows], y_pred[rows]))
     assert len(set(replicas.calls)) == 1  # the same collectives on every replica
     np.testing.assert_allclose(_weighed_sum(split, parts), one, rtol=1e-6)
-    if name in ("dice", "tversky"):
+    if name in ("dice", "tversky", "dice_and_variance"):
         for part in parts:  # every replica holds one device's value
             np.testing.assert_allclose(_numpy(part), one, rtol=1e-6)
 

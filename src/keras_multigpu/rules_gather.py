@@ -2,9 +2,15 @@
 a layer that mixes rows across the batch, and a loss that returns one value for the batch,
 run on the batch gathered from every replica."""
 
+import threading
+
 import keras
 
 from keras_multigpu._keras import base_trainer
+
+# Set while a loss runs on the gathered batch: a Loss it calls (a Dice inside a custom
+# loss) sees the global batch already, as on one device.
+_gathered = threading.local()
 
 
 def gather(replica, x, what):
@@ -84,6 +90,8 @@ def one_value_loss(replica, original, loss, y_true, y_pred):
     """
     from keras_multigpu.rules import _rank
 
+    if getattr(_gathered, "batch", False):
+        return original(loss, y_true, y_pred)
     values = original(loss, y_true, y_pred)
     # None where a traced rank is unknown: Keras's own case. Tensors whose rows are not the
     # replica's (a custom step's loss of real and generated rows, concatenated) are left.
@@ -102,8 +110,13 @@ def one_value_loss(replica, original, loss, y_true, y_pred):
     if not one_value:
         return values
     what = f"all-gather of the batch for {loss.name}"
-    return original(loss, *(keras.tree.map_structure(
-        lambda x: gather(replica, x, what), y) for y in (y_true, y_pred)))
+    batch = [keras.tree.map_structure(lambda x: gather(replica, x, what), y)
+             for y in (y_true, y_pred)]
+    _gathered.batch = True
+    try:
+        return original(loss, *batch)
+    finally:
+        _gathered.batch = False
 
 
 def _replicas_rows(replica, x):
