@@ -216,16 +216,25 @@ _LOSSES = {
 
 def _loss_rules(guard):
     return [(*rule, guard) for rule in _ONE_VALUE_RULES] + [
-        (cls, "call", rules.one_value_loss, guard) for cls in rules.loss_classes()]
+        (base_trainer.CompileLoss, "call", rules.compiled_loss, guard),
+        *((cls, "call", rules.one_value_loss, guard) for cls in rules.loss_classes())]
+
+
+def _compiled(loss, y_true, y_pred):
+    """`loss` as a model compiles it: Keras's CompileLoss, whose Losses see the batch,
+    built (as a model's is before its first step: the replicas' threads share it)."""
+    compiled = base_trainer.CompileLoss(loss)
+    compiled.build(y_true, y_pred)
+    return compiled
 
 
 def _decided(loss, y_true, y_pred, split):
-    """`loss`, after a step of two rows on every replica where `split` leaves no replica
-    two rows: nothing there tells one value from a squeezed row, and the loss keeps what
-    its steps of a full batch decided."""
-    if sum(split) <= len(split):
+    """`loss` (compiled), after a step of two rows on every replica where `split` gives
+    every replica one row: nothing there tells one value from a squeezed row, and the loss
+    keeps what its steps of a full batch decided."""
+    if sum(split) == len(split):
         full = _Replicas((2,) * len(split))
-        wide_true, wide_pred = np.tile(y_true, (8, 1)), np.tile(y_pred, (8, 1))
+        wide_true, wide_pred = np.tile(y_true, (2, 1)), np.tile(y_pred, (2, 1))
         with rules.installed(_loss_rules(full.guard)):
             full.run(lambda replica, rows: loss(wide_true[rows], wide_pred[rows]))
     return loss
@@ -237,16 +246,17 @@ def _labels_and_predictions(n, seed):
             rng.uniform(0.05, 0.95, (n, 3)).astype("float32"))
 
 
-@pytest.mark.parametrize("split", SPLITS + [(1, 1, 0), (2, 1, 1)], ids=str)
+@pytest.mark.parametrize("split", SPLITS + [(1, 1, 0), (2, 1, 1), (1, 1, 1)], ids=str)
 @pytest.mark.parametrize("name", list(_LOSSES))
 def test_a_loss_of_one_value_for_the_batch_is_computed_on_the_whole_batch(split, name):
     """Dice and Tversky divide sums over the whole batch: no weighing of the replicas'
-    values gives one device's. A loss that returns one value is computed on the gathered
-    batch, on every replica; a per-row loss (squeezed to one value on a replica of one
-    row, too) is left to the reductions, and every replica runs the same collectives."""
+    values gives one device's. A compiled loss that returns one value is computed on the
+    gathered batch, on every replica; a per-row loss (squeezed to one value on a replica
+    of one row, too) is left to the reductions, and every replica runs the same
+    collectives."""
     y_true, y_pred = _labels_and_predictions(sum(split), 7)
-    one = _numpy(_LOSSES[name]()(y_true, y_pred))
-    loss = _decided(_LOSSES[name](), y_true, y_pred, split)
+    one = _numpy(_compiled(_LOSSES[name](), y_true, y_pred)(y_true, y_pred))  # no rule
+    loss = _decided(_compiled(_LOSSES[name](), y_true, y_pred), y_true, y_pred, split)
     replicas = _Replicas(split)
     with rules.installed(_loss_rules(replicas.guard)):
         parts = replicas.run(lambda replica, rows: loss(y_true[rows], y_pred[rows]))
@@ -257,27 +267,46 @@ def test_a_loss_of_one_value_for_the_batch_is_computed_on_the_whole_batch(split,
             np.testing.assert_allclose(_numpy(part), one, rtol=1e-6)
 
 
-@pytest.mark.parametrize("split", [(3, 2), (2, 1, 1), (1, 1, 0)], ids=str)
-def test_a_one_value_loss_of_rows_not_the_replicas_is_its_own(split):
-    """A custom step's loss of tensors whose rows are not the replica's (real and
-    generated rows, concatenated: 2k) is no batch to gather: each replica keeps its own
-    value, and none joins a collective the others skip."""
-    y_true, y_pred = _labels_and_predictions(8 * len(split), 9)
-    loss = keras.losses.Dice()
+class _SumOverRows(keras.losses.Loss):
+    """A custom loss of one value that calls a Loss summed over the rows."""
 
-    def doubled(rows):
-        twice = np.r_[y_true[rows], y_true[rows]], np.r_[y_pred[rows], y_pred[rows]]
-        return _numpy(loss(*twice)), _numpy(keras.losses.Dice()(*twice))
+    def call(self, y_true, y_pred):
+        return keras.losses.MeanSquaredError(reduction="sum")(y_true, y_pred) / 10
 
-    full = _Replicas((2,) * len(split))  # the loss's full batches decide, as in `_decided`
-    with rules.installed(_loss_rules(full.guard)):
-        full.run(lambda replica, rows: doubled(rows))
+
+@pytest.mark.parametrize("split", [(3, 2), (2, 1, 1), (3, 0)], ids=str)
+def test_a_loss_inside_a_gathered_loss_runs_as_on_one_device(split):
+    """The Losses a gathered loss calls see the whole batch, with no rule: a sum over the
+    rows inside it is one device's sum, not a replica's rescaled by n / k."""
+    y_true, y_pred = _labels_and_predictions(sum(split), 10)
+    one = _numpy(_compiled(_SumOverRows(), y_true, y_pred)(y_true, y_pred))
+    loss = _compiled(_SumOverRows(), y_true, y_pred)
     replicas = _Replicas(split)
     with rules.installed(_loss_rules(replicas.guard)):
-        parts = replicas.run(lambda replica, rows: doubled(rows))
+        parts = replicas.run(lambda replica, rows: loss(y_true[rows], y_pred[rows]))
+    for part in parts:
+        np.testing.assert_allclose(_numpy(part), one, rtol=1e-6)
+
+
+@pytest.mark.parametrize("split", [(3, 2), (2, 1, 1), (1, 1, 0)], ids=str)
+def test_a_loss_a_custom_step_calls_itself_is_the_replicas_own(split):
+    """A Loss a custom step calls itself may see rows that are not the replica's (real and
+    generated rows, concatenated: 2k): it is left to the reductions, and no replica joins
+    a collective the others skip."""
+    y_true, y_pred = _labels_and_predictions(2 * sum(split), 9)
+    starts = _starts(split)
+    own = [_numpy(keras.losses.Dice()(np.r_[y_true[s:s + k], y_true[s:s + k]],
+                                      np.r_[y_pred[s:s + k], y_pred[s:s + k]]))
+           for k, s in zip(split, starts)]  # no rule installed
+    loss = keras.losses.Dice()
+    replicas = _Replicas(split)
+    with rules.installed(_loss_rules(replicas.guard)):
+        parts = replicas.run(lambda replica, rows: _numpy(loss(
+            np.r_[y_true[rows], y_true[rows]], np.r_[y_pred[rows], y_pred[rows]])))
     assert len(set(replicas.calls)) == 1
-    for ours, own in parts:
-        np.testing.assert_allclose(ours, own, rtol=1e-6)
+    for ours, expected, k in zip(parts, own, split):
+        if k:  # Dice of no rows: 1 - 0 / epsilon, the same either way
+            np.testing.assert_allclose(ours, expected, rtol=1e-6)
 
 
 @pytest.mark.parametrize("split", SPLITS, ids=str)
@@ -285,8 +314,8 @@ def test_a_one_value_losss_gradient_reaches_each_replicas_rows(split):
     """Each replica's gradient of the batch's Dice loss with respect to its own rows,
     weighed by k / n as the engines weigh a replica's gradients, is one device's."""
     y_true, y_pred = _labels_and_predictions(sum(split), 8)
-    one = _input_gradient(lambda p: keras.losses.Dice()(y_true, p), y_pred)
-    loss = _decided(keras.losses.Dice(), y_true, y_pred, split)
+    one = _input_gradient(lambda p: _compiled(keras.losses.Dice(), y_true, p)(y_true, p), y_pred)
+    loss = _decided(_compiled(keras.losses.Dice(), y_true, y_pred), y_true, y_pred, split)
     replicas = _Replicas(split)
     with rules.installed(_loss_rules(replicas.guard)):
         parts = replicas.run(lambda replica, rows: _input_gradient(

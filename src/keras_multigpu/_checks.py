@@ -22,7 +22,8 @@ def _takes_text(model, engine_can):
 
 def _rows_not_first(template, data_batch, error):
     """A clearer error where a model with its own `train_step` cannot be built from the
-    batch it is fed (`error`, Keras's ValueError), else None.
+    batch it is fed (`error`, Keras's ValueError), an array of which has more axes than
+    the model's input, else None.
 
     Such a step may take a batch whose first axis is not the samples (the anchors and
     positives of a metric-learning example stacked on axis 0, `data[0]` and `data[1]`):
@@ -32,6 +33,11 @@ def _rows_not_first(template, data_batch, error):
     if type(template).train_step is keras.Model.train_step:
         return None
     x = data_batch[0] if isinstance(data_batch, (tuple, list)) else data_batch
+    inputs = tree.flatten(getattr(template, "inputs", None) or [])
+    arrays = tree.flatten(x)
+    if len(inputs) != len(arrays) or not any(  # else Keras's error says what is wrong
+            len(getattr(a, "shape", ())) > len(i.shape) for a, i in zip(arrays, inputs)):
+        return None
     shapes = tree.map_structure(lambda t: tuple(getattr(t, "shape", ())), x)
     return ValueError(
         f"{type(template).__name__} has its own train_step, and the model cannot take the "

@@ -19,6 +19,7 @@ over uneven splits and splits of no rows.
 import contextlib
 import dataclasses
 import functools
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +27,7 @@ import keras
 
 from keras_multigpu._keras import base_trainer, loss_module
 from keras_multigpu.rules_gather import (
+    compiled_loss,
     loss_classes,
     mixing_layer,
     mixing_layers,
@@ -43,8 +45,9 @@ from keras_multigpu.rules_random import batch_draw, dropout, random_draw
 __all__ = [
     "Replica", "weight", "weigh", "weighted_scalar", "reduce_values", "apply_mask",
     "additional_loss", "mean_update", "weighted_sum", "moments", "batch_draw", "random_draw",
-    "dropout", "mixing_layer", "one_value_loss", "global_result", "metrics_result",
-    "generic_metrics_result", "metrics_owner", "metric_classes", "table", "installed",
+    "dropout", "mixing_layer", "compiled_loss", "one_value_loss", "global_result",
+    "metrics_result", "generic_metrics_result", "metrics_owner", "metric_classes", "table",
+    "installed", "suspended",
 ]
 
 
@@ -198,10 +201,11 @@ def additional_loss(replica, original, trainer, loss):
 
 
 def _rank(x):
-    """The rank of `x`, None where a traced tensor's rank is unknown."""
+    """The rank of `x`, None where a traced tensor's rank is unknown (or `x`, a Python
+    number, has no shape)."""
     try:
         return len(x.shape)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, AttributeError):
         return None
 
 
@@ -314,6 +318,7 @@ def table(step, call, random_module, draws, logs=None):
         *((random_module, name, random_draw, step) for name in draws),
         (random_module, "dropout", dropout, step),
         *((cls, "call", mixing_layer, step) for cls in mixing_layers()),
+        (base_trainer.CompileLoss, "call", compiled_loss, step),
         *((cls, "call", one_value_loss, step) for cls in loss_classes()),
         *((cls, "result", global_result, call) for cls in metric_classes()),
         (metrics_owner(), "get_metrics_result", metrics_result, logs or call),
@@ -325,13 +330,28 @@ def _patched(owner, name, rule, guard):
 
     @functools.wraps(original)
     def wrapper(*args, **kwargs):
-        replica = guard()
+        replica = None if getattr(_suspended, "on", False) else guard()
         if replica is None:
             return original(*args, **kwargs)
         return rule(replica, original, *args, **kwargs)
 
     wrapper._keras_multigpu_original = original
     return original, wrapper
+
+
+_suspended = threading.local()
+
+
+@contextlib.contextmanager
+def suspended():
+    """Keras's own functions, not the rules, in this thread for the duration: for a loss
+    that runs on the batch gathered from every replica, as one device runs it."""
+    before = getattr(_suspended, "on", False)
+    _suspended.on = True
+    try:
+        yield
+    finally:
+        _suspended.on = before
 
 
 @contextlib.contextmanager

@@ -8,9 +8,8 @@ import keras
 
 from keras_multigpu._keras import base_trainer
 
-# Set while a loss runs on the gathered batch: a Loss it calls (a Dice inside a custom
-# loss) sees the global batch already, as on one device.
-_gathered = threading.local()
+# Set while the loss a model compiles runs: its Losses see the batch's rows.
+_compiled = threading.local()
 
 
 def gather(replica, x, what):
@@ -72,39 +71,54 @@ def loss_classes():
     return list(dict.fromkeys(found))
 
 
+def compiled_loss(replica, original, compile_loss, *args, **kwargs):
+    """The loss a model compiles (`CompileLoss.call`, `original`): the Losses it calls see
+    the batch's rows (each output's `y_true` and `y_pred`), which `one_value_loss` may
+    gather. A Loss a custom step calls itself may see other rows (a GAN's real and
+    generated rows, concatenated), and is left to the reductions."""
+    before = getattr(_compiled, "on", False)
+    _compiled.on = True
+    try:
+        return original(compile_loss, *args, **kwargs)
+    finally:
+        _compiled.on = before
+
+
 def one_value_loss(replica, original, loss, y_true, y_pred):
-    """A Loss's `call` (`original`): where it returns one value for the batch, not one per
-    row, that value is computed on the global batch.
+    """A Loss's `call` (`original`), inside the loss a model compiles: where it returns one
+    value for the batch, not one per row, that value is computed on the global batch.
 
     Such a loss need not be a mean over the rows: Dice and Tversky (`axis=None`) divide
     sums over the whole batch, which no weighing of the replicas' values gives. Every
-    replica computes the same value from the gathered `y_true` and `y_pred`; the gather's
-    gradient hands each replica its rows' part of it.
+    replica computes the same value from the gathered `y_true` and `y_pred`, as one device
+    does (the rules suspended: a Loss it calls sees the whole batch); the gather's gradient
+    hands each replica its rows' part of it.
 
     A traced step knows the value's rank, the same on every replica. An eager one (torch)
     sees a replica of one row squeeze a per-row loss to one value (`ops.squeeze`): where
     the batch leaves some replica fewer than two rows, every replica joins one all-reduce
-    that counts the replicas of two rows or more that saw one value, and those decide.
-    Where no replica has two rows, the loss keeps what an earlier step decided (the same
-    on every replica), else its values are taken as they come.
+    where those of two rows or more, and those of none (a per-row loss has a row
+    dimension of 0 there), decide. Where every replica has one row, the loss keeps what
+    its earlier batches decided (the same on every replica), else it is left as it is.
     """
-    from keras_multigpu.rules import _rank
+    from keras_multigpu.rules import _rank, suspended
 
-    if getattr(_gathered, "batch", False):
+    if not getattr(_compiled, "on", False):
         return original(loss, y_true, y_pred)
     values = original(loss, y_true, y_pred)
-    # None where a traced rank is unknown: Keras's own case. Tensors whose rows are not the
-    # replica's (a custom step's loss of real and generated rows, concatenated) are left.
-    rows = all(_replicas_rows(replica, x) for x in keras.tree.flatten((y_true, y_pred)))
-    one_value = _rank(values) == 0 and rows
+    # None where a traced rank is unknown: Keras's own case.
+    one_value = _rank(values) == 0 and all(
+        _replicas_rows(replica, x) for x in keras.tree.flatten((y_true, y_pred)))
     if not replica.traced:  # the rows are split evenly: k is n // R or n // R + 1
-        n, k = int(replica.n), int(replica.k)
-        if n <= replica.replicas:
-            one_value = rows and getattr(loss, "_keras_multigpu_one_value", False)
+        n, k, replicas = int(replica.n), int(replica.k), replica.replicas
+        if n == replicas:
+            one_value = getattr(loss, "_keras_multigpu_one_value", False)
         else:
-            if n < 2 * replica.replicas:
-                votes = keras.ops.convert_to_tensor(float(one_value and k >= 2))
-                votes = replica.all_reduce([votes], f"all-reduce of {loss.name}'s rank")[0]
+            if n < 2 * replicas:
+                voter = k >= 2 or k == 0
+                votes = replica.all_reduce(
+                    [keras.ops.convert_to_tensor(float(one_value and voter))],
+                    f"all-reduce of {loss.name}'s rank")[0]
                 one_value = bool(keras.ops.convert_to_numpy(votes) > 0)
             loss._keras_multigpu_one_value = one_value
     if not one_value:
@@ -112,11 +126,8 @@ def one_value_loss(replica, original, loss, y_true, y_pred):
     what = f"all-gather of the batch for {loss.name}"
     batch = [keras.tree.map_structure(lambda x: gather(replica, x, what), y)
              for y in (y_true, y_pred)]
-    _gathered.batch = True
-    try:
+    with suspended():
         return original(loss, *batch)
-    finally:
-        _gathered.batch = False
 
 
 def _replicas_rows(replica, x):
