@@ -59,16 +59,23 @@ def mixing_layer(replica, original, layer, data, *args, **kwargs):
     return keras.tree.map_structure(lambda x: keras.ops.take(x, rows, axis=0), mixed)
 
 
-def loss_classes():
-    """Every Loss class defined so far with a `call` of its own (the user's too), but the
-    loss a model compiles from them (`CompileLoss`), whose one value is their sum."""
-    found, stack = [], [keras.losses.Loss]
+def classes_defining(base, name):
+    """`base` and every subclass of it defined so far (the user's too) with a `name` of its
+    own: the classes whose `name` a rule patches."""
+    found, stack = [], [base]
     while stack:
         cls = stack.pop()
-        if "call" in vars(cls) and not issubclass(cls, base_trainer.CompileLoss):
+        if name in vars(cls):
             found.append(cls)
         stack.extend(cls.__subclasses__())
     return list(dict.fromkeys(found))
+
+
+def loss_classes():
+    """Every Loss class with a `call` of its own, but the loss a model compiles from them
+    (`CompileLoss`), whose one value is their sum."""
+    return [cls for cls in classes_defining(keras.losses.Loss, "call")
+            if not issubclass(cls, base_trainer.CompileLoss)]
 
 
 def compiled_loss(replica, original, compile_loss, *args, **kwargs):

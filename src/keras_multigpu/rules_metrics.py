@@ -7,6 +7,7 @@ import keras
 
 from keras_multigpu import _keras
 from keras_multigpu._keras import base_trainer
+from keras_multigpu.rules_gather import classes_defining
 
 
 def _global_state(replica, variables, what="all-reduce of the metrics"):
@@ -69,10 +70,4 @@ def metrics_owner():
 
 def metric_classes():
     """Every Metric class defined so far that has its own `result` (the user's too)."""
-    found, stack = [], [keras.metrics.Metric]
-    while stack:
-        cls = stack.pop()
-        if "result" in vars(cls):
-            found.append(cls)
-        stack.extend(cls.__subclasses__())
-    return list(dict.fromkeys(found))
+    return classes_defining(keras.metrics.Metric, "result")
