@@ -132,6 +132,28 @@ def test_a_model_built_by_its_first_batch_is_shuffled_as_on_one_device(gpus, shu
                  _train(gpus, 103, 25, epochs=3, shuffle=shuffle, build=_lazy_bn_model))
 
 
+@pytest.mark.parametrize("gpus", [3])
+@pytest.mark.parametrize("build", [_bn_model, _lazy_bn_model], ids=["built", "lazy"])
+def test_a_tf_data_dataset_that_reshuffles_each_epoch_is_read_in_one_devices_order(gpus, build):
+    """A user's `dataset.shuffle(n, seed=s)` (or `timeseries_dataset_from_array(shuffle=True)`)
+    draws a new order each time an iterator is made: making one more iterator than Keras
+    does, even to read the batch's spec, trains every epoch in the next epoch's order (on
+    TensorFlow, 99 rows in batches of 25 moved weights by 1e-2)."""
+    tf = pytest.importorskip("tensorflow")
+    x, y = _data(99)
+
+    def run(gpus):
+        model = build()
+        target = model if gpus is None else kmg.multi_gpu_model(model, gpus=gpus)
+        _compile(target)
+        keras.utils.set_random_seed(1)
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(99, seed=5).batch(25)
+        history = target.fit(dataset, epochs=3, verbose=0, validation_data=dataset)
+        return model, target, history.history
+
+    _assert_same(run(None), run(gpus))
+
+
 @pytest.mark.parametrize("gpus", [2])
 def test_batch_shuffles_with_validation_and_random_layers_as_on_one_device(gpus):
     """shuffle="batch" draws each batch's order as the batch is read, between steps that draw

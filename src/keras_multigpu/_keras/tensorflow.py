@@ -4,9 +4,11 @@ Patched for a call: `TFOptimizer.{apply, _all_reduce_sum_gradients,
 _backend_apply_gradients}` (TensorFlow's optimizer class, which `keras.optimizers.Optimizer`
 is only while the backend is TensorFlow: this table is checked under any backend),
 `random.{normal, uniform, truncated_normal, randint, dropout}`; with several workers,
-`trainer.reduce_per_replica`. And one of TensorFlow's own, for speed only:
-`multi_device_iterator_ops._create_device_dataset` (`_tf_rules.without_autotune`); where a
-TensorFlow release moved it, calls run without that patch (`device_datasets` is None).
+`trainer.reduce_per_replica`. Called: `trainer.TFEpochIterator._get_iterator` (the
+distributed dataset, whose spec describes a batch without making an iterator). And one of
+TensorFlow's own, for speed only: `multi_device_iterator_ops._create_device_dataset`
+(`_tf_rules.without_autotune`); where a TensorFlow release moved it, calls run without that
+patch (`device_datasets` is None).
 """
 
 from keras_multigpu._keras import load
@@ -19,7 +21,8 @@ TABLE = {
         "TFOptimizer._backend_apply_gradients"),
     "keras.src.backend.tensorflow.random": (*DRAWS, "dropout", "_get_concrete_noise_shape"),
     "keras.src.backend.tensorflow.trainer": ("reduce_per_replica",
-                                             "_collective_all_reduce_multi_worker"),
+                                             "_collective_all_reduce_multi_worker",
+                                             "TFEpochIterator._get_iterator"),
 }
 
 optimizer, random, trainer = load(TABLE, "the TensorFlow engine")

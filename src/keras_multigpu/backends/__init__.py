@@ -72,7 +72,8 @@ would (the `check` test in tests/test_backends.py holds every engine to this):
   takes it from a `DataLoader` (torch tensors); elsewhere the batch itself.
 - "batch_spec": `batch_spec(iterator)`, for trainers that build before
   tracing (TensorFlow's), the batch structure as KerasTensors, without
-  reading a batch; elsewhere Keras's trainer reads its build batch itself.
+  reading a batch or making an iterator (which draws a reshuffling
+  dataset's next order); elsewhere Keras's trainer reads its build batch itself.
 - "process_per_device": one process per device (torch): a script started
   with `python` on several devices is relaunched by the launcher
   (`keras_multigpu.launch.relaunch`).

@@ -359,12 +359,11 @@ def _dynamic_rows(data):
 
 
 def batch_spec(iterator):
-    """The structure of a distributed batch as KerasTensors, read from its spec, not its data."""
-    for _, _, data in iterator:
-        spec = data.element_spec
-        break
-    else:
-        return None
+    """The structure of a distributed batch as KerasTensors, read from its dataset's spec.
+
+    Not from an iterator: making one draws a new order from a dataset that reshuffles each
+    epoch (`shuffle(n, seed=s)`), so every epoch would take the next one's."""
+    spec = iterator._get_iterator().element_spec  # Keras's tf.distribute dataset
 
     def symbolic(s):
         s = getattr(s, "_value_specs", (s,))[0]  # PerReplicaSpec: every replica's is alike
