@@ -421,6 +421,41 @@ def test_predict_and_evaluate_every_row_in_order(gpus):
                                model.evaluate(x, y, batch_size=7, verbose=0), rtol=RTOL)
 
 
+class _BuiltWhenCalled(keras.Model):
+    """A subclassed model whose layers make their weights at its first call."""
+
+    def __init__(self):
+        super().__init__(name="built_when_called")  # (TensorFlow refuses a leading "_")
+        self.hidden = keras.layers.Dense(8, activation="tanh")
+        self.out = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+
+@pytest.mark.parametrize("gpus", [3])
+@pytest.mark.parametrize("call", ["predict", "predict_on_batch"])
+def test_a_model_first_called_by_predict_makes_one_devices_weights(gpus, call):
+    """Keras's torch trainer predicts with such a model unbuilt: it makes its weights in the
+    first step, where each process drew them for its own share of the rows (a (6, 8) kernel
+    on a replica of 3 rows was taken for a batch-shaped draw), so every process predicted
+    with other weights."""
+    x, _ = _data(20)
+
+    def run(gpus):
+        keras.utils.set_random_seed(0)
+        model = _BuiltWhenCalled()
+        target = model if gpus is None else kmg.multi_gpu_model(model, gpus=gpus)
+        out = (target.predict(x, batch_size=9, verbose=0) if call == "predict"
+               else target.predict_on_batch(x[:9]))
+        return model.get_weights(), out
+
+    (weights, expected), (got_weights, got) = run(None), run(gpus)
+    for a, b in zip(weights, got_weights, strict=True):
+        np.testing.assert_allclose(b, a, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(got, expected, rtol=RTOL, atol=ATOL)
+
+
 class _SummedEndpoint(keras.layers.Layer):
     """Keras's CTC OCR endpoint layer: `add_loss` of a per-sample loss vector, which Keras sums
     over the batch; beside it, a scalar mean and a weight regulariser."""

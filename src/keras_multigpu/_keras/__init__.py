@@ -86,7 +86,8 @@ PUBLIC = {
     "keras.saving": ("save_model", "save_weights"),
 }
 COMMON = {
-    "keras.src.backend": ("in_stateless_scope", "common.global_state.get_global_attribute",
+    "keras.src.backend": ("in_stateless_scope", "compute_output_spec",
+                          "common.global_state.get_global_attribute",
                           "nn.conv", "nn.depthwise_conv", "nn.separable_conv"),
     "keras.src.losses.loss": ("reduce_weighted_values", "reduce_values", "apply_mask",
                               "scale_loss_for_distribution", "unscale_loss_for_distribution",
