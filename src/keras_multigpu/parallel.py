@@ -330,6 +330,8 @@ class ParallelModel(Calls, TemplateFace, keras.Model):
     # -- the template's steps ---------------------------------------------
 
     def _watched(self, function, what):
+        if backends.has(self._backend, "kept"):
+            function = self._backend.kept(function, self)
         if not backends.has(self._backend, "watch"):
             return function
         return self._backend.watch(function, self._distribution, what)

@@ -64,6 +64,10 @@ would (the `check` test in tests/test_backends.py holds every engine to this):
   in it could otherwise wait for ever (JAX; torch's collectives end in an
   error of their own, and TensorFlow's between one process's replicas cannot
   be timed).
+- "kept": `kept(function, model)`, one of Keras's compiled steps for `model`
+  that puts the state it was given back into the model's variables when it
+  raises (JAX: Keras's trainer takes them out for a call's loop, and left
+  them empty after a failed step); elsewhere the variables hold the state.
 - "generator": `random_state()`, `set_random_state(state)`, the framework's
   own global generator, which Keras's adapters draw orders from (torch's), as
   plain data; elsewhere they draw from Python's and NumPy's (or tf.data's op
@@ -124,6 +128,7 @@ CAPABILITY_NAMES = {
     "shard": ("shard",),
     "free_memory": ("free_memory",),
     "watch": ("watch",),
+    "kept": ("kept",),
     "generator": ("random_state", "set_random_state"),
     "to_backend": ("to_backend",),
     "batch_spec": ("batch_spec",),

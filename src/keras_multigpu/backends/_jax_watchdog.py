@@ -1,4 +1,5 @@
-"""The JAX engine's watchdog: a step stuck in a collective ends the process with a message."""
+"""Keras's compiled JAX steps, wrapped: the watchdog (a step stuck in a collective ends the
+process with a message), and the model's state kept when a step raises (`kept`)."""
 
 import atexit
 import collections
@@ -116,3 +117,50 @@ def watch(function, distribution, what):
 
     watched._keras_multigpu_watched = True
     return watched
+
+
+# -- the state a failed step was given ----------------------------------------------
+
+# The variables of each part of a JAX step's state, in the order Keras's trainer passes them
+# (`_get_jax_state`): train steps take all four, test steps the first two and the metrics',
+# predict steps the first two.
+_STATE = {4: ("trainable_variables", "non_trainable_variables", "optimizer", "metrics_variables"),
+          3: ("trainable_variables", "non_trainable_variables", "metrics_variables"),
+          2: ("trainable_variables", "non_trainable_variables")}
+
+
+def kept(function, model):
+    """`function` (one of Keras's compiled steps for `model`), which puts the state it was
+    given back into the model's variables when it raises.
+
+    Keras's JAX trainer takes the values out of the variables for a call's loop and puts
+    them back as the call ends, but not when a step raises (a batch of the wrong shape):
+    the model was left with empty variables, and every later call failed. A step that
+    raised changed nothing, so the state it was given is the model's."""
+
+    if getattr(function, "_keras_multigpu_kept", False):  # Keras's cached step, kept already
+        return function
+
+    @functools.wraps(function)
+    def step(state, *args, **kwargs):
+        try:
+            return function(state, *args, **kwargs)
+        except BaseException:
+            _restore(model, state)
+            raise
+
+    step._keras_multigpu_kept = True
+    return step
+
+
+def _restore(model, state):
+    parts = _STATE.get(len(state) if isinstance(state, (tuple, list)) else None)
+    if parts is None:
+        return
+    arrays = [a for values in state for a in values if isinstance(a, jax.Array)]
+    if any(a.is_deleted() for a in arrays):  # donated to a step that ran: nothing to restore
+        return
+    for part, values in zip(parts, state):
+        variables = model.optimizer.variables if part == "optimizer" else getattr(model, part)
+        for variable, value in zip(variables, values):
+            variable.assign(value)  # as Keras's `jax_state_sync` puts a call's state back

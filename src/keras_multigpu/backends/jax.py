@@ -44,13 +44,13 @@ from jax._src import xla_bridge
 from keras_multigpu import _xla, processes, rules
 from keras_multigpu._keras.jax import distribution_lib as keras_jax_distribution
 from keras_multigpu.backends._jax_hosts import _join, _world
-from keras_multigpu.backends._jax_watchdog import watch  # noqa: F401 (the seam's name)
+from keras_multigpu.backends._jax_watchdog import kept, watch  # noqa: F401 (the seam's names)
 from keras_multigpu.backends._marker import tag, untag  # noqa: F401 (the seam's names)
 from keras_multigpu.devices import Device
 
 # What this engine does beyond the seam's common names (see `keras_multigpu.backends`).
 CAPABILITIES = frozenset({"cpu_devices", "jit", "resident", "shard", "free_memory", "watch",
-                          "multi_step", "whole_batch"})
+                          "kept", "multi_step", "whole_batch"})
 
 
 # -- the engine -------------------------------------------------------------------
