@@ -154,6 +154,35 @@ def test_a_tf_data_dataset_that_reshuffles_each_epoch_is_read_in_one_devices_ord
     _assert_same(run(None), run(gpus))
 
 
+def _named_inputs_model(seed=0):
+    keras.utils.set_random_seed(seed)
+    features, extra = keras.Input((6,), name="features"), keras.Input((2,), name="extra")
+    hidden = keras.layers.Dense(8, activation="tanh")(
+        keras.layers.Concatenate()([features, extra]))
+    return keras.Model({"features": features, "extra": extra},
+                       keras.layers.Dense(3, activation="softmax")(hidden))
+
+
+@pytest.mark.parametrize("gpus", [3])
+def test_a_tf_data_dataset_of_named_inputs_equals_one_device(gpus):
+    """Keras's structured-data examples: `from_tensor_slices(({"features": ..., ...}, y))`.
+    tf.data hands a map each part of a tuple element whole, a dict too; the TensorFlow
+    engine's map took the dict for one tensor and failed ("<NOT CONVERTIBLE TO TENSOR>")."""
+    tf = pytest.importorskip("tensorflow")
+    x, y = _data(47)
+    inputs = {"features": x, "extra": x[:, :2] ** 2}
+
+    def run(gpus):
+        model = _named_inputs_model()
+        target = model if gpus is None else kmg.multi_gpu_model(model, gpus=gpus)
+        _compile(target)
+        dataset = tf.data.Dataset.from_tensor_slices((inputs, y)).batch(10)
+        history = target.fit(dataset, epochs=2, verbose=0, validation_data=dataset)
+        return model, target, history.history
+
+    _assert_same(run(None), run(gpus))
+
+
 @pytest.mark.parametrize("gpus", [2])
 def test_batch_shuffles_with_validation_and_random_layers_as_on_one_device(gpus):
     """shuffle="batch" draws each batch's order as the batch is read, between steps that draw

@@ -167,8 +167,10 @@ class Feed(data_adapters.data_adapter.DataAdapter):
             out = tree.flatten(self.pad(batch))  # on tf.data's threads
             return [np.asarray(leaf, s.dtype.as_numpy_dtype) for leaf, s in zip(out, flat_out)]
 
-        def mapped(*flat):
-            out = tf.numpy_function(serve, list(flat), [s.dtype for s in flat_out],
+        def mapped(*element):
+            # tf.data passes a tuple element's parts as arguments, each whole (a dict of
+            # inputs too): `serve` takes the leaves.
+            out = tf.numpy_function(serve, tree.flatten(element), [s.dtype for s in flat_out],
                                     stateful=True)
             for tensor, s in zip(out, flat_out):
                 tensor.set_shape(s.shape)
