@@ -145,6 +145,28 @@ def test_every_convolution_kind_trains_with_a_device_left_empty():
     assert parallel.predict(x, verbose=0).shape == (2, 3)
 
 
+def test_a_convolution_evaluates_and_predicts_with_a_device_left_empty():
+    """As above, in steps without gradients: there TensorFlow's graph optimizer took the
+    guard's one padded row away again (`conv(pad(x))[:0]` became `conv(x)`), and the
+    convolution's bias failed on the misshaped output (9 rows in batches of 8 on 3 devices:
+    the last batch leaves two empty)."""
+    keras.utils.set_random_seed(0)
+    x, y = classification_data(9, features=(8, 8, 3))
+    template = keras.Sequential([
+        keras.Input((8, 8, 3)),
+        keras.layers.Conv2D(4, 3, activation="relu"),
+        keras.layers.GlobalAveragePooling2D(),
+        keras.layers.Dense(3, activation="softmax"),
+    ])
+    reference = compile_sgd(keras.models.clone_model(template))
+    reference.set_weights(template.get_weights())
+    parallel = compile_sgd(kmg.multi_gpu_model(template, gpus=engine_gpus(3)))
+    np.testing.assert_allclose(parallel.evaluate(x, y, batch_size=8, verbose=0),
+                               reference.evaluate(x, y, batch_size=8, verbose=0), rtol=1e-5)
+    np.testing.assert_allclose(parallel.predict(x, batch_size=8, verbose=0),
+                               reference.predict(x, batch_size=8, verbose=0), atol=1e-6)
+
+
 def test_template_is_the_trained_model(dense_model):
     x, y = classification_data(40)
     template = dense_model()

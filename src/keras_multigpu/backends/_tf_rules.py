@@ -266,12 +266,16 @@ def _empty_convolution_misshaped():
 
 def _any_rows(replica, original, inputs, *args, **kwargs):
     """Keras's convolution `original`, shaped right for a replica with no rows too: on
-    zero rows it convolves one row of zeros and keeps none of it."""
+    zero rows it convolves one row of zeros and keeps none of it.
+
+    The row is made from the inputs' shape alone: padded onto the inputs, TensorFlow's
+    graph optimizer took `conv(pad(x))[:0]` back to `conv(x)` in a step without gradients
+    (evaluate, predict), and the empty batch was misshaped again."""
     inputs = tf.convert_to_tensor(inputs)
 
     def one_row():
-        padded = tf.pad(inputs, [[0, 1]] + [[0, 0]] * (inputs.shape.rank - 1))
-        return original(padded, *args, **kwargs)[:0]
+        zeros = tf.zeros(tf.concat([[1], tf.shape(inputs)[1:]], 0), inputs.dtype)
+        return original(zeros, *args, **kwargs)[:0]
 
     return tf.cond(tf.shape(inputs)[0] > 0, lambda: original(inputs, *args, **kwargs),
                    one_row)
