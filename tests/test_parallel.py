@@ -121,9 +121,10 @@ def test_padded_batchnorm_steps_stay_finite(conv_bn_model, num_samples, batch_si
     assert np.all(np.isfinite(parallel.predict(x, verbose=0)))
 
 
-def test_every_convolution_kind_trains_with_a_device_left_empty():
-    """A replica dealt no rows convolves zero rows. TensorFlow's CPU convolution (oneDNN,
-    AVX-512) gave them its input's shape, and the next layer failed."""
+def test_every_convolution_and_pooling_kind_trains_with_a_device_left_empty():
+    """A replica dealt no rows convolves and pools zero rows. TensorFlow's CPU convolution
+    (oneDNN, AVX-512) gave them its input's shape, and the next layer failed; its max
+    pooling's gradient aborted the process ("Check failed" in MklMaxPoolingGradOp)."""
     keras.utils.set_random_seed(0)
     x, y = classification_data(2, features=(8, 8, 3))
     template = keras.Sequential([
@@ -131,6 +132,8 @@ def test_every_convolution_kind_trains_with_a_device_left_empty():
         keras.layers.Conv2D(4, 3, padding="same"),
         keras.layers.DepthwiseConv2D(3, depth_multiplier=2, padding="same"),
         keras.layers.SeparableConv2D(5, 3, padding="same"),
+        keras.layers.MaxPooling2D(1),
+        keras.layers.AveragePooling2D(1),
         keras.layers.Reshape((64, 5)),
         keras.layers.Conv1D(3, 3),
         keras.layers.GlobalAveragePooling1D(),

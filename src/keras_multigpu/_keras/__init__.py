@@ -73,7 +73,8 @@ _MISSING = object()
 # Mean.update_state, BatchNormalization._moments, Optimizer.apply, LossScaleOptimizer.apply
 # (TensorFlow; it calls _common_apply), {MixUp, CutMix, RandomElasticTransform}.call, each
 # Metric's result, each Loss's call but CompileLoss's; on TensorFlow, where its CPU
-# convolutions misshape an empty batch, backend.nn.{conv, depthwise_conv, separable_conv};
+# convolutions misshape an empty batch, backend.nn.{conv, depthwise_conv, separable_conv},
+# and everywhere backend.nn.max_pool (its gradient on zero rows aborts under oneDNN);
 # patched for the process: every alias of keras.saving.{save_model, save_weights}
 # (see `processes`). Where Keras offers the class or function publicly (keras.layers,
 # keras.metrics, keras.saving, keras.StatelessScope, keras.ops.is_tensor), it is taken from
@@ -88,7 +89,7 @@ PUBLIC = {
 COMMON = {
     "keras.src.backend": ("in_stateless_scope", "compute_output_spec",
                           "common.global_state.get_global_attribute",
-                          "nn.conv", "nn.depthwise_conv", "nn.separable_conv"),
+                          "nn.conv", "nn.depthwise_conv", "nn.separable_conv", "nn.max_pool"),
     "keras.src.losses.loss": ("reduce_weighted_values", "reduce_values", "apply_mask",
                               "scale_loss_for_distribution", "unscale_loss_for_distribution",
                               "squeeze_or_expand_to_same_rank"),

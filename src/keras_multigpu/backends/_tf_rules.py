@@ -285,8 +285,11 @@ def _rules_table():
     convolutions = ("conv", "depthwise_conv", "separable_conv")
     if not _empty_convolution_misshaped():
         convolutions = ()
+    # Max pooling's gradient on zero rows aborts the process under oneDNN, TensorFlow's CPU
+    # default on x86 ("Check failed: dtype() == expected_dtype" in MklMaxPoolingGradOp,
+    # TensorFlow 2.21), which no probe can try without aborting: it is guarded everywhere.
     return [
-        *((_keras.backend.nn, name, _any_rows, _step) for name in convolutions),
+        *((_keras.backend.nn, name, _any_rows, _step) for name in (*convolutions, "max_pool")),
         (tf_optimizer.TFOptimizer, "apply", _apply, _step),
         (keras.optimizers.LossScaleOptimizer, "apply", _loss_scale_apply, _step),
         (tf_optimizer.TFOptimizer, "_all_reduce_sum_gradients", _all_reduce_sum, _step),
