@@ -170,6 +170,35 @@ def test_a_convolution_evaluates_and_predicts_with_a_device_left_empty():
                                reference.predict(x, batch_size=8, verbose=0), atol=1e-6)
 
 
+class _MinusRowMin(keras.layers.Layer):
+    def call(self, h):
+        return h - keras.ops.min(h, axis=-1, keepdims=True)
+
+
+def test_a_global_max_pooling_trains_with_a_device_left_empty():
+    """Keras's torch `max` and `min` refuse any tensor with an empty dimension, so a
+    process dealt no rows failed in GlobalMaxPooling2D ("Cannot compute the max of an empty
+    tensor"), though the reduction is over the other axes (3 rows in batches of 2: the last
+    batch leaves a device empty on 2 devices or 3)."""
+    keras.utils.set_random_seed(0)
+    x, y = classification_data(3, features=(6, 6, 3))
+    template = keras.Sequential([
+        keras.Input((6, 6, 3)),
+        keras.layers.Conv2D(4, 3, activation="relu"),
+        keras.layers.GlobalMaxPooling2D(),
+        _MinusRowMin(),
+        keras.layers.Dense(3, activation="softmax"),
+    ])
+    reference = keras.models.clone_model(template)
+    reference.set_weights(template.get_weights())
+    compile_sgd(reference).fit(x, y, batch_size=2, epochs=2, shuffle=False, verbose=0)
+    parallel = compile_sgd(kmg.multi_gpu_model(template, gpus=engine_gpus(3)))
+    parallel.fit(x, y, batch_size=2, epochs=2, shuffle=False, verbose=0)
+    assert_weights_close(reference.get_weights(), template.get_weights())
+    np.testing.assert_allclose(parallel.predict(x, batch_size=2, verbose=0),
+                               reference.predict(x, batch_size=2, verbose=0), atol=1e-6)
+
+
 def test_template_is_the_trained_model(dense_model):
     x, y = classification_data(40)
     template = dense_model()
