@@ -175,15 +175,18 @@ class _MinusRowMin(keras.layers.Layer):
         return h - keras.ops.min(h, axis=-1, keepdims=True)
 
 
-def test_a_global_max_pooling_trains_with_a_device_left_empty():
+def test_augmentation_and_global_max_pooling_train_with_a_device_left_empty():
     """Keras's torch `max` and `min` refuse any tensor with an empty dimension, so a
     process dealt no rows failed in GlobalMaxPooling2D ("Cannot compute the max of an empty
-    tensor"), though the reduction is over the other axes (3 rows in batches of 2: the last
-    batch leaves a device empty on 2 devices or 3)."""
+    tensor"), though the reduction is over the other axes; its `affine_transform` (RandomZoom,
+    RandomRotation) stacks images one by one, and failed on none (3 rows in batches of 2:
+    the last batch leaves a device empty on 2 devices or 3)."""
     keras.utils.set_random_seed(0)
     x, y = classification_data(3, features=(6, 6, 3))
     template = keras.Sequential([
         keras.Input((6, 6, 3)),
+        keras.layers.RandomZoom(0.2, seed=1),
+        keras.layers.RandomRotation(0.1, seed=2),
         keras.layers.Conv2D(4, 3, activation="relu"),
         keras.layers.GlobalMaxPooling2D(),
         _MinusRowMin(),

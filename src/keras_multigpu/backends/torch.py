@@ -40,8 +40,10 @@ from keras import tree
 
 from keras_multigpu import interrupt, launch, rules
 from keras_multigpu._keras.torch import DRAWS, cycle_free_tree, keras_alone_in_each_process
+from keras_multigpu._keras.torch import image as torch_image
 from keras_multigpu._keras.torch import numpy as torch_numpy
 from keras_multigpu._keras.torch import random as torch_random
+from keras_multigpu.backends import _torch_rows
 from keras_multigpu.backends._marker import tag, untag  # noqa: F401 (the seam's names)
 from keras_multigpu.backends._torch_group import (
     _broadcast,
@@ -340,25 +342,11 @@ def local_metric_state(variables, values):
             for variable, value in zip(variables, values)]
 
 
-def _over_other_axes(reduce):
-    """Keras's torch `max` or `min` refuses a tensor with an empty dimension: on a process
-    dealt no rows, a reduction over the other axes (GlobalMaxPooling2D's) is torch's."""
-
-    def rule(replica, original, x, axis=None, keepdims=False, initial=None):
-        x = keras.ops.convert_to_tensor(x)
-        if axis is not None and initial is None and 0 in x.shape:
-            axes = [a % x.ndim for a in (axis if isinstance(axis, (list, tuple)) else [axis])]
-            if all(x.shape[a] for a in axes):
-                return reduce(x, dim=axes, keepdim=keepdims)
-        return original(x, axis=axis, keepdims=keepdims, initial=initial)
-
-    return rule
-
-
 def _rules_table():
     return [
-        (torch_numpy, "max", _over_other_axes(torch.amax), _step),
-        (torch_numpy, "min", _over_other_axes(torch.amin), _step),
+        (torch_numpy, "max", _torch_rows.over_other_axes(torch.amax), _step),
+        (torch_numpy, "min", _torch_rows.over_other_axes(torch.amin), _step),
+        (torch_image, "affine_transform", _torch_rows.no_images, _step),
         (keras.optimizers.Optimizer, "apply", _apply, _step),
         # Its own `apply` checks the gradients are finite before the inner optimizer's:
         # on the sums, as one device checks its gradients, so every rank decides alike.

@@ -1,0 +1,31 @@
+"""Keras's torch ops on a process dealt no rows (a last batch smaller than the process
+count): some refuse a tensor with an empty dimension, where one device never has one.
+Rules of the torch engine's table (`torch._rules_table`), in force inside its steps."""
+
+import keras
+
+
+def over_other_axes(reduce):
+    """Keras's torch `max` or `min` refuses a tensor with an empty dimension: on a process
+    dealt no rows, a reduction over the other axes (GlobalMaxPooling2D's) is torch's
+    `reduce`, as empty as the rows; one over the rows stays Keras's error."""
+
+    def rule(replica, original, x, axis=None, keepdims=False, initial=None):
+        x = keras.ops.convert_to_tensor(x)
+        if axis is not None and initial is None and 0 in x.shape:
+            axes = [a % x.ndim for a in (axis if isinstance(axis, (list, tuple)) else [axis])]
+            if all(x.shape[a] for a in axes):
+                return reduce(x, dim=axes, keepdim=keepdims)
+        return original(x, axis=axis, keepdims=keepdims, initial=initial)
+
+    return rule
+
+
+def no_images(replica, original, images, *args, **kwargs):
+    """Keras's torch `affine_transform` (RandomZoom, RandomRotation, RandomTranslation,
+    RandomShear) stacks its images one by one, and torch cannot stack none: a batch of no
+    images is transformed into itself."""
+    images = keras.ops.convert_to_tensor(images)
+    if images.ndim == 4 and images.shape[0] == 0:
+        return images
+    return original(images, *args, **kwargs)
