@@ -269,6 +269,7 @@ def _mixing_model():
         keras.layers.Conv2D(3, 1),
         keras.layers.MixUp(seed=1),
         keras.layers.CutMix(seed=2),
+        keras.layers.RandomGaussianBlur(factor=1.0, value_range=(-10, 10), seed=4),
         *elastic,
         keras.layers.Flatten(),
         keras.layers.Dense(3, activation="softmax"),
@@ -278,13 +279,15 @@ def _mixing_model():
 @pytest.mark.parametrize("gpus", [3] if BACKEND == "jax" else [2, 3])  # JAX: one global step
 def test_layers_that_mix_rows_of_the_batch_equal_one_device(gpus):
     """MixUp and CutMix mix each image with another image of the batch (on one device, an
-    image of another device's rows), and RandomElasticTransform draws inside the backend's
-    image function: each replica runs them on the gathered batch and keeps its rows. The
-    last batch (29 rows in batches of 14) leaves a replica without rows, whose backward
-    pass joins the gather's all-reduce too."""
-    x = np.random.default_rng(5).normal(size=(29, 6, 6, 3)).astype("float32")
-    data = (x, np.arange(29) % 3)
-    runs = [_train(count, 29, 14, build=_mixing_model, data=data, shuffle=True)
+    image of another device's rows), RandomElasticTransform draws inside the backend's
+    image function, and RandomGaussianBlur draws its two sigmas with a shape of (2,), which
+    torch's replica of 1 row took for a draw per row: each replica runs them on the gathered
+    batch and keeps its rows. 26 rows in batches of 5: replicas of 1 and 2 rows, and a last
+    batch that leaves replicas without rows, whose backward pass joins the gather's
+    all-reduce too."""
+    x = np.random.default_rng(5).normal(size=(26, 6, 6, 3)).astype("float32")
+    data = (x, np.arange(26) % 3)
+    runs = [_train(count, 26, 5, build=_mixing_model, data=data, shuffle=True)
             for count in (None, gpus)]
     _assert_same(*runs)
 

@@ -33,9 +33,11 @@ def gather(replica, x, what):
 
 def mixing_layers():
     """Keras's layers whose rows depend on the whole batch: MixUp and CutMix mix each image
-    with another image of the batch, and RandomElasticTransform draws its displacements
-    inside the backend's image function, not through `rules_random`'s draws."""
-    names = ("MixUp", "CutMix", "RandomElasticTransform")
+    with another image of the batch, RandomElasticTransform draws its displacements inside
+    the backend's image function, not through `rules_random`'s draws, and RandomGaussianBlur
+    draws its two sigmas with a shape of (2,), which an eager replica of 1 or 2 rows takes
+    for a draw per row (`rules_random.batch_draw`)."""
+    names = ("MixUp", "CutMix", "RandomElasticTransform", "RandomGaussianBlur")
     return tuple(getattr(keras.layers, name) for name in names if hasattr(keras.layers, name))
 
 

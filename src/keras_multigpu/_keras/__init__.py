@@ -71,8 +71,9 @@ _MISSING = object()
 # Trainer.get_metrics_result (or the backend trainer's own, where it has one: the next
 # Keras's torch trainer), Layer.{add_loss, _get_own_losses, _clear_losses},
 # Mean.update_state, BatchNormalization._moments, Optimizer.apply, LossScaleOptimizer.apply
-# (TensorFlow; it calls _common_apply), {MixUp, CutMix, RandomElasticTransform}.call, each
-# Metric's result, each Loss's call but CompileLoss's; on TensorFlow, where its CPU
+# (TensorFlow; it calls _common_apply), {MixUp, CutMix, RandomElasticTransform,
+# RandomGaussianBlur}.call, each Metric's result, each Loss's call but CompileLoss's; on
+# TensorFlow, where its CPU
 # convolutions misshape an empty batch, backend.nn.{conv, depthwise_conv, separable_conv},
 # and everywhere backend.nn.max_pool (its gradient on zero rows aborts under oneDNN);
 # patched for the process: every alias of keras.saving.{save_model, save_weights}
