@@ -73,9 +73,9 @@ _MISSING = object()
 # Mean.update_state, BatchNormalization._moments, Optimizer.apply, LossScaleOptimizer.apply
 # (TensorFlow; it calls _common_apply), {MixUp, CutMix, RandomElasticTransform,
 # RandomGaussianBlur}.call, each Metric's result, each Loss's call but CompileLoss's; on
-# TensorFlow, where its CPU
-# convolutions misshape an empty batch, backend.nn.{conv, depthwise_conv, separable_conv},
-# and everywhere backend.nn.max_pool (its gradient on zero rows aborts under oneDNN);
+# TensorFlow, where its CPU convolutions misshape an empty batch,
+# backend.nn.{conv, depthwise_conv, separable_conv}, and everywhere backend.nn.max_pool
+# (its gradient on zero rows aborts under oneDNN);
 # patched for the process: every alias of keras.saving.{save_model, save_weights}
 # (see `processes`). Where Keras offers the class or function publicly (keras.layers,
 # keras.metrics, keras.saving, keras.StatelessScope, keras.ops.is_tensor), it is taken from
