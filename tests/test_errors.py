@@ -278,6 +278,26 @@ def test_a_generator_yielding_bare_arrays_is_refused_as_keras_does(parallel):
         parallel.fit(inputs_only(), epochs=1, verbose=0)
 
 
+@pytest.mark.parametrize("kind", ["generator", "tf.data"])
+def test_a_dataset_of_single_samples_says_to_batch_it(parallel, kind):
+    """A tf.data dataset or generator of single samples (`.batch()` forgotten): its targets
+    are scalars, and reading their rows raised a bare IndexError from inside the library.
+    (Keras's own TensorFlow generator adapter names it first, on that backend.)"""
+    x, y = _data(10)
+    labels = np.argmax(y, axis=1)
+    if kind == "tf.data":
+        tf = pytest.importorskip("tensorflow")
+        data = tf.data.Dataset.from_tensor_slices((x, labels))
+    else:
+        data = ((x[i], labels[i]) for i in range(10))
+    keras_own = "must be at least rank 1. Received: 1 of rank 0"
+    ours = (r"holds a scalar.*dataset\.batch\(32\).*Received: a batch of shapes "
+            r"\[\(6,\), \(\)\]")
+    with pytest.raises(ValueError, match=ours if kind == "tf.data" or
+                       keras.backend.backend() != "tensorflow" else keras_own):
+        parallel.fit(data, epochs=1, verbose=0)
+
+
 def test_fit_without_targets_for_a_compiled_loss_is_refused(parallel, no_training):
     x, _ = _data(10)
     with pytest.raises(ValueError, match=r"fit received inputs but no targets \(y=None\)"):

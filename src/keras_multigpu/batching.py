@@ -232,6 +232,17 @@ def class_sample_weights(y, class_weight, sample_weight=None):
     )
 
 
+def check_batched(shapes):
+    """Every array of a batch has its samples on its first axis (`shapes`, one per leaf;
+    None where unknown): a batch holding a scalar comes from a dataset of single samples."""
+    if any(shape is not None and len(shape) == 0 for shape in shapes):
+        raise ValueError(
+            "A batch of the input holds a scalar (shape ()): every array of a batch has its "
+            "samples on its first axis. Batch a dataset or generator of single samples "
+            f"first, e.g. dataset.batch(32). Received: a batch of shapes {list(shapes)}."
+        )
+
+
 def pad_batch(batch, replicas, tag, class_weight=None, text=False):
     """Pads one `(x,)`, `(x, y)` or `(x, y, sample_weight)` batch, and tags it even when it
     needs no padding: Keras fixes a stream's data layout from its first batch, and
@@ -246,6 +257,7 @@ def pad_batch(batch, replicas, tag, class_weight=None, text=False):
     Returns:
         `(data, rows)`: what to hand to Keras, and the real row count.
     """
+    check_batched([tuple(np.shape(leaf)) for leaf in tree.flatten(batch)])
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
     rows = _num_rows(x, "x")
     check_dtypes((x, y, sample_weight), "a batch", text)

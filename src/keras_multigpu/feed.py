@@ -11,6 +11,7 @@ from keras import tree
 from keras_multigpu._keras import data_adapters
 from keras_multigpu.batching import (
     _to_numpy,
+    check_batched,
     global_generators,
     is_text,
     set_global_generators,
@@ -272,6 +273,9 @@ class Feed(data_adapters.data_adapter.DataAdapter):
     def _output_signature(self, spec):
         """The TF signature of served batches: `serve` on two made-up batches (1 and 2
         rows) of `inner`'s spec, which draws nothing and reads no data."""
+        check_batched([None if s.shape.rank is None else tuple(s.shape.as_list())
+                       for s in tree.flatten(spec)])
+
         def made_up(rows):
             def leaf(s):
                 shape = [rows if d is None else d for d in s.shape.as_list()]
