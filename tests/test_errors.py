@@ -298,6 +298,20 @@ def test_a_dataset_of_single_samples_says_to_batch_it(parallel, kind):
         parallel.fit(data, epochs=1, verbose=0)
 
 
+def test_a_batch_whose_arrays_differ_in_rows_is_named(parallel):
+    """x of 10 rows and y of 9 in one batch of a generator: an IndexError from inside the
+    library, or on TensorFlow, where the batch is served on tf.data's threads, a graph
+    execution error that ended in the library's message."""
+    x, y = _data(20)
+
+    def batches():
+        yield x[:10], y[:9]
+        yield x[10:], y[10:]
+
+    with pytest.raises(ValueError, match=r"A batch's x has 10 rows but its y has 9"):
+        parallel.fit(batches(), epochs=1, verbose=0)
+
+
 def test_fit_without_targets_for_a_compiled_loss_is_refused(parallel, no_training):
     x, _ = _data(10)
     with pytest.raises(ValueError, match=r"fit received inputs but no targets \(y=None\)"):

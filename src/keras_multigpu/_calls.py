@@ -103,6 +103,9 @@ class Calls:
         except interrupt.Interrupted:
             interrupt.end_training(callbacks)
             raise
+        except Exception as error:
+            _raise_failed(error, dataset, validation_dataset)
+            raise
         finally:
             self._fit_dataset = None
             _close(dataset, validation_dataset)
@@ -119,6 +122,9 @@ class Calls:
                     data, verbose=verbose, steps=steps,
                     callbacks=interrupt.with_stop(callbacks), return_dict=return_dict, **kwargs,
                 )
+        except Exception as error:
+            _raise_failed(error, dataset)
+            raise
         finally:
             if not kwargs.get("_use_cached_eval_dataset"):  # fit's own: fit closes it
                 _close(dataset)
@@ -131,6 +137,9 @@ class Calls:
             with interrupt.deferred(), self._placed():
                 return super().predict(data, verbose=verbose, steps=steps,
                                        callbacks=interrupt.with_stop(callbacks))
+        except Exception as error:
+            _raise_failed(error, dataset)
+            raise
         finally:
             _close(dataset)
 
@@ -247,6 +256,14 @@ def _readers(callbacks):
         _RestoreOnly(c) if isinstance(c, keras.callbacks.BackupAndRestore) else c
         for c in listed if not isinstance(c, _WRITERS)
     ]
+
+
+def _raise_failed(error, *datasets):
+    """A batch a feed could not serve on tf.data's threads (x and y of different rows):
+    TensorFlow raised its own graph error for it; the feed's error is raised instead."""
+    failed = next((d.failed for d in datasets if getattr(d, "failed", None)), None)
+    if failed is not None and failed is not error:
+        raise failed from error
 
 
 def _close(*datasets):

@@ -233,13 +233,14 @@ def class_sample_weights(y, class_weight, sample_weight=None):
 
 
 def check_batched(shapes):
-    """Every array of a batch has its samples on its first axis (`shapes`, one per leaf;
+    """Every array of a batch has its samples on its first axis (`shapes`, one per array;
     None where unknown): a batch holding a scalar comes from a dataset of single samples."""
-    if any(shape is not None and len(shape) == 0 for shape in shapes):
+    shapes = [shape for shape in shapes if shape is not None]
+    if any(len(shape) == 0 for shape in shapes):
         raise ValueError(
             "A batch of the input holds a scalar (shape ()): every array of a batch has its "
             "samples on its first axis. Batch a dataset or generator of single samples "
-            f"first, e.g. dataset.batch(32). Received: a batch of shapes {list(shapes)}."
+            f"first, e.g. dataset.batch(32). Received: a batch of shapes {shapes}."
         )
 
 
@@ -257,9 +258,16 @@ def pad_batch(batch, replicas, tag, class_weight=None, text=False):
     Returns:
         `(data, rows)`: what to hand to Keras, and the real row count.
     """
-    check_batched([tuple(np.shape(leaf)) for leaf in tree.flatten(batch)])
+    check_batched([None if leaf is None else tuple(np.shape(leaf))
+                   for leaf in tree.flatten(batch)])
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
     rows = _num_rows(x, "x")
+    for name, part in (("y", y), ("sample_weight", sample_weight)):
+        if part is not None and _num_rows(part, name) != rows:
+            raise ValueError(
+                f"A batch's x has {rows} rows but its {name} has {_num_rows(part, name)}: "
+                "every array of a batch needs one row per sample."
+            )
     check_dtypes((x, y, sample_weight), "a batch", text)
     if rows == 0:
         raise ValueError("A batch has 0 rows. Every batch needs at least one sample.")

@@ -78,6 +78,7 @@ class Feed(data_adapters.data_adapter.DataAdapter):
         self._not_an_end = False  # the next on_epoch_end is a new Keras call's start
         self._signature = None
         self._inner_tf = None
+        self.failed = None  # the error `pad` raised on tf.data's threads
 
     # -- Keras's DataAdapter ------------------------------------------------
 
@@ -165,7 +166,11 @@ class Feed(data_adapters.data_adapter.DataAdapter):
                 set_global_generators(self._restore_now, self._set_engine_state)
                 self._restore_now = None
             self._served.append(np.asarray(tree.flatten(batch)[0]) if self.arrays else None)
-            out = tree.flatten(self.pad(batch))  # on tf.data's threads
+            try:
+                out = tree.flatten(self.pad(batch))  # on tf.data's threads
+            except Exception as error:  # TensorFlow re-raises it as its own (`raise_failed`)
+                self.failed = error
+                raise
             return [np.asarray(leaf, s.dtype.as_numpy_dtype) for leaf, s in zip(out, flat_out)]
 
         def mapped(*element):
@@ -273,11 +278,13 @@ class Feed(data_adapters.data_adapter.DataAdapter):
     def _output_signature(self, spec):
         """The TF signature of served batches: `serve` on two made-up batches (1 and 2
         rows) of `inner`'s spec, which draws nothing and reads no data."""
-        check_batched([None if s.shape.rank is None else tuple(s.shape.as_list())
-                       for s in tree.flatten(spec)])
+        check_batched([tuple(s.shape.as_list()) if getattr(s, "shape", None) is not None
+                       and s.shape.rank is not None else None for s in tree.flatten(spec)])
 
         def made_up(rows):
             def leaf(s):
+                if not hasattr(s, "shape"):  # None in the batch (tf.data's OptionalSpec)
+                    return None
                 shape = [rows if d is None else d for d in s.shape.as_list()]
                 shape[0] = rows
                 if s.dtype.name == "string":
@@ -350,7 +357,9 @@ class Feed(data_adapters.data_adapter.DataAdapter):
                 set_global_generators(state["now"], self._set_engine_state)
 
     def close(self):
-        """Ends the prefetch thread, if any (a later pass starts it again)."""
+        """Ends the prefetch thread, if any (a later pass starts it again), and drops the
+        error a batch raised (its frames hold the call's tf.data iterators)."""
+        self.failed = None
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
             self._executor = None
