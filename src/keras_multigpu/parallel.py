@@ -363,13 +363,14 @@ class ParallelModel(Calls, TemplateFace, keras.Model):
 
     def predict_step(self, *args):
         *state, data = args
-        if backends.has(self._backend, "process_per_device") and not all(
-                layer.built for layer in self.template._flatten_layers()):
-            # Keras's torch trainer predicts with a model that builds itself when first
-            # called: built in the step, each process would draw its weights under the rules
-            # for its own share of the rows. Built here, on the batch, as on one device.
-            x, _, _ = keras.utils.unpack_x_y_sample_weight(self._backend.untag(data))
-            _keras.backend.compute_output_spec(self.template, tree.map_structure(_symbolic, x))
+        if not getattr(self, "_built_to_predict", False):  # checked once, not every step
+            if backends.has(self._backend, "process_per_device") and not all(
+                    layer.built for layer in self.template._flatten_layers()):
+                # Not in Keras's torch step, where each process drew its weights (the rules)
+                x, _, _ = keras.utils.unpack_x_y_sample_weight(self._backend.untag(data))
+                _keras.backend.compute_output_spec(self.template,
+                                                   tree.map_structure(_symbolic, x))
+            self._built_to_predict = True
         return self._backend.run_step(lambda rows: self.template.predict_step(*state, rows), data,
                                       rows_out=True)
 

@@ -32,6 +32,7 @@ from keras_multigpu.rules_gather import (
     mixing_layer,
     mixing_layers,
     one_value_loss,
+    switched_on,
 )
 from keras_multigpu.rules_metrics import (
     generic_metrics_result,
@@ -342,16 +343,10 @@ def _patched(owner, name, rule, guard):
 _suspended = threading.local()
 
 
-@contextlib.contextmanager
 def suspended():
     """Keras's own functions, not the rules, in this thread for the duration: for a loss
     that runs on the batch gathered from every replica, as one device runs it."""
-    before = getattr(_suspended, "on", False)
-    _suspended.on = True
-    try:
-        yield
-    finally:
-        _suspended.on = before
+    return switched_on(_suspended)
 
 
 @contextlib.contextmanager

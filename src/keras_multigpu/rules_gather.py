@@ -2,6 +2,7 @@
 a layer that mixes rows across the batch, and a loss that returns one value for the batch,
 run on the batch gathered from every replica."""
 
+import contextlib
 import threading
 
 import keras
@@ -85,12 +86,19 @@ def compiled_loss(replica, original, compile_loss, *args, **kwargs):
     the batch's rows (each output's `y_true` and `y_pred`), which `one_value_loss` may
     gather. A Loss a custom step calls itself may see other rows (a GAN's real and
     generated rows, concatenated), and is left to the reductions."""
-    before = getattr(_compiled, "on", False)
-    _compiled.on = True
-    try:
+    with switched_on(_compiled):
         return original(compile_loss, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def switched_on(flag):
+    """`flag.on` (a `threading.local`'s) True in this thread for the duration."""
+    before = getattr(flag, "on", False)
+    flag.on = True
+    try:
+        yield
     finally:
-        _compiled.on = before
+        flag.on = before
 
 
 def one_value_loss(replica, original, loss, y_true, y_pred):
