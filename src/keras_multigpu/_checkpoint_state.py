@@ -4,6 +4,7 @@ the epoch and step, the data order read so far, the generators, the model's
 
 import os
 import random
+import warnings
 
 import keras
 import numpy as np
@@ -35,6 +36,29 @@ def _seed_generators(model):
 
 def _global_seed_generator():
     return global_state.get_global_attribute("global_seed_generator")
+
+
+def _own_draws(dataset):
+    """What the fit's input is (a `Feed`'s `source`), where it keeps a position or random
+    state of its own that a checkpoint cannot hold; None for arrays, a PyDataset, and a
+    DataLoader drawing its order from the engine's generator, which a checkpoint keeps."""
+    source = getattr(dataset, "source", None)
+    if source is None or dataset.resumable:
+        return None
+    kind = type(source)
+    if any(c.__module__.startswith("torch.utils.data") and c.__name__ == "DataLoader"
+           for c in kind.__mro__):
+        import torch
+
+        sampler = getattr(source.batch_sampler, "sampler", source.sampler)
+        if not isinstance(source.dataset, torch.utils.data.IterableDataset) and (
+                not hasattr(sampler, "generator") or (
+                    sampler.generator is None and dataset._engine_state is not None)):
+            return None  # it draws nothing, or from the engine's generator
+        return "a torch DataLoader"
+    if hasattr(source, "element_spec"):
+        return "a tf.data.Dataset"
+    return f"a {kind.__name__}"
 
 
 def _numpy(variable):
@@ -134,6 +158,16 @@ class CheckpointState:
                 )
             dataset.resume({"generators": state["data"]["generators"], "order": order,
                             "now": state["data"].get("now")}, step)
+        own = _own_draws(dataset)
+        if epoch and own:
+            warnings.warn(
+                f"Checkpoint: this fit's input is {own}, whose position and random state are "
+                f"its own, not in {path}. The resumed epochs ({epoch + 1} on) read it from "
+                "its start: where it draws anything anew each pass (a shuffle that "
+                "reshuffles each iteration, random augmentation), in another order than an "
+                "uninterrupted run's. For an exact resume, pass arrays or a "
+                "keras.utils.PyDataset.",
+                stacklevel=4)
         self._pending_metrics = {int(k[len("metric_"):]): v for k, v in arrays.items()
                                  if k.startswith("metric_")} or None
         model._replicate_state()

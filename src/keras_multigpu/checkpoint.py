@@ -89,7 +89,9 @@ class Checkpoint(CheckpointState, keras.callbacks.Callback):
             int N saves every N training steps too, as Keras's
             `ModelCheckpoint(save_freq=N)` and `BackupAndRestore` count
             them. Mid-epoch saves need arrays or a `PyDataset` of known
-            length as input.
+            length as input. Other inputs resume at epoch ends, read from
+            their start: a tf.data dataset or a generator keeps its own
+            random state (a warning says so when a later epoch resumes).
         keep: how many checkpoints to keep, the newest (at least 1).
         resume: whether `fit` resumes from the newest checkpoint found.
         every_steps: the same as an int `save_freq` (its earlier name).

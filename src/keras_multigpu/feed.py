@@ -79,6 +79,7 @@ class Feed(data_adapters.data_adapter.DataAdapter):
         self._signature = None
         self._inner_tf = None
         self.failed = None  # the error `pad` raised on tf.data's threads
+        self.source = None  # the user's data, where it is not arrays (`inputs.as_padded`)
 
     # -- Keras's DataAdapter ------------------------------------------------
 

@@ -121,6 +121,7 @@ def as_padded(x, y=None, sample_weight=None, *, batch_size=None, replicas, tag,
             ) from None
         feed = Feed(inner, lambda batch: _stream_server(batch, replicas, tag, text),
                     replicas=replicas, **options)
+        feed.source = x
         return feed, feed
     rows = _num_rows(x, "x")
     check_dtypes(x, "x", text)
