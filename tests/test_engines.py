@@ -253,9 +253,20 @@ def test_random_layers_draw_what_one_device_draws(gpus, rows, batch_size):
     _assert_same(*runs)
 
 
+@kmg.mixes_rows
+class _MinibatchStd(keras.layers.Layer):
+    """A user's layer over the batch (a GAN discriminator's minibatch standard deviation),
+    marked with `mixes_rows`."""
+
+    def call(self, x):
+        std = keras.ops.mean(keras.ops.std(x, axis=0))
+        return keras.ops.concatenate([x, keras.ops.ones_like(x[:, :1]) * std], axis=-1)
+
+
 def _mixing_model():
-    """Layers whose rows depend on the whole batch (`rules_gather.mixing_layers`),
-    after a trainable convolution, whose gradient crosses replicas through them."""
+    """Layers whose rows depend on the whole batch (`rules_gather.mixing_layers`, and a
+    user's layer marked with `mixes_rows`), after a trainable convolution, whose gradient
+    crosses replicas through them."""
     # RandomElasticTransform runs on torch only. Keras's own fails in a JAX step, on one
     # device too ("'str' object has no attribute '_error_repr'", Keras 3.15.1). On
     # TensorFlow it draws one displacement field per image where the trace knows the
@@ -272,6 +283,7 @@ def _mixing_model():
         keras.layers.RandomGaussianBlur(factor=1.0, value_range=(-10, 10), seed=4),
         *elastic,
         keras.layers.Flatten(),
+        _MinibatchStd(),
         keras.layers.Dense(3, activation="softmax"),
     ])
 
@@ -281,8 +293,9 @@ def test_layers_that_mix_rows_of_the_batch_equal_one_device(gpus):
     """MixUp and CutMix mix each image with another image of the batch (on one device, an
     image of another device's rows), RandomElasticTransform draws inside the backend's
     image function, and RandomGaussianBlur draws its two sigmas with a shape of (2,), which
-    torch's replica of 1 row took for a draw per row: each replica runs them on the gathered
-    batch and keeps its rows. 26 rows in batches of 5: replicas of 1 and 2 rows, and a last
+    torch's replica of 1 row took for a draw per row, and a user's `mixes_rows` layer takes
+    the standard deviation over the batch: each replica runs them on the gathered batch and
+    keeps its rows. 26 rows in batches of 5: replicas of 1 and 2 rows, and a last
     batch that leaves replicas without rows, whose backward pass joins the gather's
     all-reduce too."""
     x = np.random.default_rng(5).normal(size=(26, 6, 6, 3)).astype("float32")

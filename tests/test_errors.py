@@ -1,6 +1,8 @@
 """User-facing errors through the public API: clear, early, never JAX-internal. On every
 engine; on torch each test runs in TORCH_WORLD processes, each wrapping its own model."""
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -62,6 +64,12 @@ def _weights(parallel):
 
 
 # -- multi_gpu_model ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [keras.layers.Dense(2), "MinibatchStd", int])
+def test_mixes_rows_refuses_what_is_no_layer_class(bad):
+    with pytest.raises(TypeError, match=f"Layer subclass.*Received: {re.escape(repr(bad))}"):
+        kmg.mixes_rows(bad)
 
 
 @pytest.mark.parametrize(

@@ -32,14 +32,48 @@ def gather(replica, x, what):
     return keras.ops.cast(weighted_sum(replica, buffer, what), dtype)
 
 
+_MARKED = []  # the user's Layer classes marked with `mixes_rows`, in order
+
+
+def mixes_rows(cls):
+    """Marks a Layer class whose rows depend on the whole batch, as Keras's `MixUp` does: a
+    minibatch standard deviation, a batch-centring layer, anything reducing over the batch.
+
+    On TensorFlow and torch, each replica then runs the layer on the batch gathered from
+    every replica (an all-reduce of its inputs, forward and backward) and keeps its own
+    rows, as one device computes them. Elsewhere the layer sees only its replica's rows.
+    The JAX engine runs one step on the whole batch, with or without the mark. Subclasses
+    share it, unless they override `call` (their `call` runs on the replica's rows, and a
+    `super().call` on the gathered batch).
+
+        @keras_multigpu.mixes_rows
+        class MinibatchStd(keras.layers.Layer):
+            def call(self, x):
+                std = keras.ops.mean(keras.ops.std(x, axis=0))
+                return keras.ops.concatenate([x, keras.ops.ones_like(x[:, :1]) * std], -1)
+
+    Returns:
+        `cls`, unchanged (a class decorator).
+    """
+    if not (isinstance(cls, type) and issubclass(cls, keras.layers.Layer)):
+        raise TypeError(
+            "mixes_rows marks a keras.layers.Layer subclass (use it as a class decorator). "
+            f"Received: {cls!r}.")
+    if cls not in _MARKED:
+        _MARKED.append(cls)
+    return cls
+
+
 def mixing_layers():
-    """Keras's layers whose rows depend on the whole batch: MixUp and CutMix mix each image
-    with another image of the batch, RandomElasticTransform draws its displacements inside
-    the backend's image function, not through `rules_random`'s draws, and RandomGaussianBlur
-    draws its two sigmas with a shape of (2,), which an eager replica of 1 or 2 rows takes
-    for a draw per row (`rules_random.batch_draw`)."""
+    """Keras's layers whose rows depend on the whole batch, and those `mixes_rows` marked:
+    MixUp and CutMix mix each image with another image of the batch, RandomElasticTransform
+    draws its displacements inside the backend's image function, not through
+    `rules_random`'s draws, and RandomGaussianBlur draws its two sigmas with a shape of (2,),
+    which an eager replica of 1 or 2 rows takes for a draw per row
+    (`rules_random.batch_draw`)."""
     names = ("MixUp", "CutMix", "RandomElasticTransform", "RandomGaussianBlur")
-    return tuple(getattr(keras.layers, name) for name in names if hasattr(keras.layers, name))
+    own = tuple(getattr(keras.layers, name) for name in names if hasattr(keras.layers, name))
+    return tuple(dict.fromkeys(own + tuple(_MARKED)))
 
 
 def mixing_layer(replica, original, layer, data, *args, **kwargs):
