@@ -305,6 +305,38 @@ def test_layers_that_mix_rows_of_the_batch_equal_one_device(gpus):
     _assert_same(*runs)
 
 
+def _torch_module_model():
+    """torch's own layers in a Keras model, as Keras's `TorchModuleWrapper` documents them:
+    a BatchNorm2d, whose statistics are the batch's, and a Dropout, whose mask torch draws
+    (`keras.utils.set_random_seed` seeds torch's generator too)."""
+    import torch
+
+    keras.utils.set_random_seed(0)
+    wrap = keras.layers.TorchModuleWrapper
+    return keras.Sequential([
+        keras.Input((1, 6, 6)),
+        wrap(torch.nn.Conv2d(1, 4, 3)),
+        wrap(torch.nn.BatchNorm2d(4)),
+        wrap(torch.nn.Flatten()),
+        wrap(torch.nn.Dropout(0.5)),
+        keras.layers.Dense(3, activation="softmax"),
+    ])
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="TorchModuleWrapper is the torch backend's")
+@pytest.mark.parametrize("gpus", [2, 3])
+def test_torchs_own_batch_norm_and_dropout_equal_one_device(gpus):
+    """torch's BatchNorm normalized by each process's rows and moved its running statistics
+    by them, and torch's Dropout drew each process's mask for its rows (weights 1e-2 apart
+    on 3 processes). 26 rows in batches of 5 leave processes of 1 row, and of none; the
+    validation loss reads the running statistics."""
+    x = np.random.default_rng(6).normal(size=(26, 1, 6, 6)).astype("float32")
+    data = (x, np.arange(26) % 3)
+    runs = [_train(count, 26, 5, build=_torch_module_model, data=data, shuffle=True,
+                   validation_data=data) for count in (None, gpus)]
+    _assert_same(*runs)
+
+
 @pytest.mark.parametrize("gpus", [3])
 @pytest.mark.parametrize("loss", ["dice", "tversky"])
 def test_a_loss_of_one_value_for_the_batch_equals_one_device(gpus, loss):

@@ -43,7 +43,7 @@ from keras_multigpu._keras.torch import DRAWS, cycle_free_tree, keras_alone_in_e
 from keras_multigpu._keras.torch import image as torch_image
 from keras_multigpu._keras.torch import numpy as torch_numpy
 from keras_multigpu._keras.torch import random as torch_random
-from keras_multigpu.backends import _torch_rows
+from keras_multigpu.backends import _torch_native, _torch_rows
 from keras_multigpu.backends._marker import tag, untag  # noqa: F401 (the seam's names)
 from keras_multigpu.backends._torch_group import (
     _broadcast,
@@ -347,6 +347,8 @@ def _rules_table():
         (torch_numpy, "max", _torch_rows.over_other_axes(torch.amax), _step),
         (torch_numpy, "min", _torch_rows.over_other_axes(torch.amin), _step),
         (torch_image, "affine_transform", _torch_rows.no_images, _step),
+        (torch.nn.functional, "dropout", _torch_native.dropout, _step),
+        (torch.nn.functional, "batch_norm", _torch_native.batch_norm, _step),
         (keras.optimizers.Optimizer, "apply", _apply, _step),
         # Its own `apply` checks the gradients are finite before the inner optimizer's:
         # on the sums, as one device checks its gradients, so every rank decides alike.

@@ -1,0 +1,53 @@
+"""torch's own layers inside a Keras model (a `TorchModuleWrapper`'s module, or a torch
+module a model's `call` runs): torch's dropout and batch normalization, as one device runs
+them on the whole batch. Rules of the torch engine's table (`torch._rules_table`), in force
+inside its steps; Keras's own layers have theirs in `rules`."""
+
+import math
+
+import torch
+
+from keras_multigpu import rules
+
+
+def dropout(replica, original, input, p=0.5, training=True, inplace=False):
+    """torch's `dropout` draws its mask from torch's generator, whose state every process
+    shares: each process draws one device's mask for the batch's n rows and keeps its own
+    rows' (so the generators stay alike too). A tensor whose first dimension is not the
+    process's rows is left to torch."""
+    n, k, start = int(replica.n), int(replica.k), int(replica.start)
+    if not training or not 0 < p < 1 or input.ndim == 0 or input.shape[0] != k or n == k:
+        return original(input, p, training, inplace)
+    noise = torch.empty((n, *input.shape[1:]), dtype=input.dtype, device=input.device)
+    noise = noise.bernoulli_(1 - p).div_(1 - p)[start:start + k]  # torch's CPU formula
+    return input.mul_(noise) if inplace else input * noise
+
+
+class _Axes:
+    """What `rules.moments` reads of a Keras BatchNormalization: the axes it reduces."""
+
+    def __init__(self, ndim):
+        self._reduction_axes = [0, *range(2, ndim)]
+
+
+def batch_norm(replica, original, input, running_mean, running_var, weight=None, bias=None,
+               training=False, momentum=0.1, eps=1e-5):
+    """torch's `batch_norm` in training normalizes by the moments of the whole batch
+    (`rules.moments`: one all-reduce forward and one backward, as for Keras's layer) and
+    moves the running statistics by them, the variance unbiased over the batch's values
+    per channel, as torch does."""
+    if not training or input.ndim < 2:
+        return original(input, running_mean, running_var, weight, bias, training, momentum,
+                        eps)
+    mean, variance = rules.moments(replica, None, _Axes(input.ndim), input, None)
+    if running_mean is not None and running_var is not None:
+        count = int(replica.n) * math.prod(input.shape[2:])
+        with torch.no_grad():
+            running_mean.mul_(1 - momentum).add_(momentum * mean.detach())
+            running_var.mul_(1 - momentum).add_(
+                momentum * variance.detach() * count / max(count - 1, 1))
+    shape = [1, -1] + [1] * (input.ndim - 2)
+    out = (input - mean.reshape(shape)) * torch.rsqrt(variance.reshape(shape) + eps)
+    if weight is not None:
+        out = out * weight.reshape(shape)
+    return out if bias is None else out + bias.reshape(shape)
