@@ -12,14 +12,14 @@ from keras_multigpu import rules
 
 def dropout(replica, original, input, p=0.5, training=True, inplace=False):
     """torch's `dropout` draws its mask from torch's generator, whose state every process
-    shares: each process draws one device's mask for the batch's n rows and keeps its own
-    rows' (so the generators stay alike too). A tensor whose first dimension is not the
-    process's rows is left to torch."""
+    shares: each process runs torch's dropout on ones for the batch's n rows, drawing one
+    device's mask (and moving the generators alike), and keeps its own rows'. A tensor
+    whose first dimension is not the process's rows is left to torch."""
     n, k, start = int(replica.n), int(replica.k), int(replica.start)
     if not training or not 0 < p < 1 or input.ndim == 0 or input.shape[0] != k or n == k:
         return original(input, p, training, inplace)
-    noise = torch.empty((n, *input.shape[1:]), dtype=input.dtype, device=input.device)
-    noise = noise.bernoulli_(1 - p).div_(1 - p)[start:start + k]  # torch's CPU formula
+    ones = torch.ones((n, *input.shape[1:]), dtype=input.dtype, device=input.device)
+    noise = original(ones, p, True, False)[start:start + k]  # the mask, scaled
     return input.mul_(noise) if inplace else input * noise
 
 
