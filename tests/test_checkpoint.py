@@ -348,6 +348,8 @@ def test_bad_arguments_and_inputs_are_refused_clearly(tmp_path):
     assert Checkpoint(tmp_path).every_steps is None
     with pytest.raises(ValueError, match="keep must be an int >= 1"):
         Checkpoint(tmp_path, keep="3")
+    with pytest.raises(TypeError, match="resume must be True or False. Received: resume='no'"):
+        Checkpoint(tmp_path, resume="no")  # a string is true: it would resume
     model, parallel = _model()
     with pytest.raises(TypeError, match="Checkpoint needs a ParallelModel"):
         model.fit(*DATA, epochs=1, verbose=0, callbacks=[Checkpoint(tmp_path)])

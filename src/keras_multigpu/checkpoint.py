@@ -115,11 +115,13 @@ class Checkpoint(CheckpointState, keras.callbacks.Callback):
             )
         if isinstance(keep, bool) or not isinstance(keep, (int, np.integer)) or keep < 1:
             raise ValueError(f"keep must be an int >= 1. Received: keep={keep!r}.")
+        if not isinstance(resume, (bool, np.bool_)):
+            raise TypeError(f"resume must be True or False. Received: resume={resume!r}.")
         self.directory = os.fspath(directory)
         self.save_freq = save_freq
         self.every_steps = None if save_freq == "epoch" else int(save_freq)
         self.keep = int(keep)
-        self.resume = resume
+        self.resume = bool(resume)
         self.resumed_from = None  # the checkpoint `fit` resumed from, if any
         self._found = None  # the checkpoint `resume_point` read, for `on_train_begin`
         self._reset_position()
