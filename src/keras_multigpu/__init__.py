@@ -38,10 +38,15 @@ except Exception as _error:  # ImportError, or what a broken framework install r
     _FRAMEWORK_ERROR = _error
 else:
     try:
+        from keras import saving as _saving
+
         from keras_multigpu import backends as _backends
         from keras_multigpu import callbacks, schedules
         from keras_multigpu.parallel import ParallelModel, multi_gpu_model
         from keras_multigpu.rules_gather import mixes_rows
+
+        # Found by name where Keras rebuilds a ParallelModel from its config (clone_model).
+        _saving.register_keras_serializable("keras_multigpu")(ParallelModel)
     except _extras.KerasVersionError as _error:
         _FRAMEWORK_ERROR = _error  # a Keras outside the tested range: said on first use
 

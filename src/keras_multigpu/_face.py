@@ -5,6 +5,9 @@ model, written atomically, by one process only."""
 import os
 import zipfile
 
+import keras
+
+from keras_multigpu import processes
 from keras_multigpu._io import atomic_path, check_suffix, unreadable
 from keras_multigpu._keras import io_utils
 
@@ -47,6 +50,27 @@ class TemplateFace:
                 raise
             raise unreadable(os.fspath(filepath), error) from error
 
+    def export(self, filepath, *args, **kwargs):
+        """Exports the template (Keras's `Model.export`: a SavedModel, ONNX, ...); with
+        several processes, the first writes it and every process returns once it has."""
+        backend = self._backend
+        if backend.process_count() == 1:
+            return self.template.export(filepath, *args, **kwargs)
+        failed = None
+        if backend.process_index() == 0:
+            try:
+                self.template.export(filepath, *args, **kwargs)
+            except Exception as error:
+                failed = error
+        said = processes.all_gather_object(
+            None if failed is None else f"{type(failed).__name__}: {failed}",
+            f"the export of {filepath} (process 0 writes it)")[0]
+        if failed is not None:
+            raise failed
+        if said is not None:
+            raise RuntimeError(f"Process 0 could not export {filepath}: {said}")
+        return None
+
     def summary(self, *args, print_fn=None, **kwargs):
         """The template's summary, after a line naming the devices."""
         write = print_fn or io_utils.print_msg  # Keras's own, as its summary uses
@@ -62,6 +86,29 @@ class TemplateFace:
 
     def get_config(self):
         return self.template.get_config()
+
+    def to_json(self, **kwargs):
+        return self.template.to_json(**kwargs)
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        """A model from the config `get_config` gives, the template's: so
+        `keras.models.clone_model(parallel)` clones the template, a plain Keras model (as
+        a `ParallelModel` saves one), for a Sequential or functional template."""
+        if isinstance(config, dict) and "input_layers" in config:
+            return keras.Model.from_config(config, custom_objects=custom_objects)
+        if isinstance(config, dict) and "layers" in config:
+            return keras.Sequential.from_config(config, custom_objects=custom_objects)
+        raise TypeError(
+            "A ParallelModel's config is its template's, and this template is a subclassed "
+            "model, which only its own class rebuilds. Clone the template: "
+            "keras.models.clone_model(parallel.template), and wrap the clone with "
+            "multi_gpu_model to train it on every device.")
+
+    def __reduce__(self):
+        # pickle and copy.deepcopy copy the template, a plain Keras model, as `save` writes
+        # it (Keras pickles a model through its saving library).
+        return self.template.__reduce__()
 
     @property
     def layers(self):
