@@ -108,6 +108,19 @@ def test_threaded_py_dataset_trains_and_predicts_in_order(dense_model):
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None,
                     reason="tf.data needs TensorFlow, which is not installed")
+def test_a_scipy_sparse_matrix_equals_its_dense_arrays(dense_model, reference):
+    """A SciPy sparse x (a TF-IDF matrix), which Keras's own adapter takes, was refused as
+    a stream ("it must yield the targets"): its rows are gathered per batch, served dense."""
+    sparse = pytest.importorskip("scipy.sparse")
+    template, parallel, history = train(dense_model, sparse.coo_matrix(X), y=Y,
+                                        batch_size=BATCH, shuffle=False)
+    weights, logs = reference
+    assert_weights_close(weights, template.get_weights())
+    np.testing.assert_allclose(history.history["loss"], logs["loss"], rtol=1e-5)
+    np.testing.assert_allclose(parallel.predict(sparse.csr_matrix(X), batch_size=7, verbose=0),
+                               template.predict(X, verbose=0), atol=1e-6)
+
+
 def test_tf_data_equals_arrays(dense_model, reference):
     import tensorflow as tf
 

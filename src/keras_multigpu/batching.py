@@ -119,7 +119,15 @@ def _num_rows(structure, what):
 def _take(structure, index):
     if structure is None:
         return None
-    return tree.map_structure(lambda a: None if a is None else a[index], structure)
+    return tree.map_structure(
+        lambda a: None if a is None else a[index].toarray() if is_sparse(a) else a[index],
+        structure)
+
+
+def is_sparse(leaf):
+    """A SciPy sparse matrix (a TF-IDF matrix), which Keras's array adapter takes too: its
+    rows are gathered per batch, and served dense."""
+    return type(leaf).__module__.startswith("scipy.sparse")
 
 
 def _parts(x, y, sample_weight):
@@ -325,7 +333,7 @@ def set_global_generators(state, set_engine_state=None):
 
 def _is_array_like(x):
     return all(
-        hasattr(leaf, "shape") and hasattr(leaf, "__array__")
+        hasattr(leaf, "shape") and (hasattr(leaf, "__array__") or is_sparse(leaf))
         for leaf in tree.flatten(x) if leaf is not None
     ) and any(leaf is not None for leaf in tree.flatten(x))
 

@@ -15,6 +15,7 @@ from keras_multigpu.batching import (
     check_class_weight,
     check_dtypes,
     class_sample_weights,
+    is_sparse,
     pad_batch,
     pad_indices,
     plan,
@@ -146,13 +147,15 @@ def as_padded(x, y=None, sample_weight=None, *, batch_size=None, replicas, tag,
         batch_size = 32
     batches = plan(rows, batch_size, replicas, drop_remainder)
     x, y, sample_weight = (
-        None if part is None else tree.map_structure(np.asarray, part)
+        None if part is None else tree.map_structure(
+            lambda a: a.tocsr() if is_sparse(a) else np.asarray(a), part)
         for part in (x, y, sample_weight)
     )
     if class_weight is not None:
         # Once for the whole set, rather than per batch.
         sample_weight = class_sample_weights(y, class_weight, sample_weight)
-    take = place((x, y)) if place is not None else None
+    sparse = any(is_sparse(leaf) for leaf in tree.flatten((x, y)))
+    take = place((x, y)) if place is not None and not sparse else None
     put = put if take is None else None
     # The rows' order is Keras's own: its array adapter batches and shuffles their indices.
     inner = data_adapters.get_data_adapter(
