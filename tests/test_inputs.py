@@ -108,16 +108,29 @@ def test_threaded_py_dataset_trains_and_predicts_in_order(dense_model):
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None,
                     reason="tf.data needs TensorFlow, which is not installed")
-def test_a_scipy_sparse_matrix_equals_its_dense_arrays(dense_model, reference):
-    """A SciPy sparse x (a TF-IDF matrix), which Keras's own adapter takes, was refused as
-    a stream ("it must yield the targets"): its rows are gathered per batch, served dense."""
-    sparse = pytest.importorskip("scipy.sparse")
-    template, parallel, history = train(dense_model, sparse.coo_matrix(X), y=Y,
-                                        batch_size=BATCH, shuffle=False)
+def _sparse(kind, x):
+    if kind == "scipy":
+        return pytest.importorskip("scipy.sparse").coo_matrix(x)
+    if kind == "tensorflow":
+        return pytest.importorskip("tensorflow").sparse.from_dense(x)
+    from jax.experimental import sparse
+
+    return sparse.BCOO.fromdense(x)
+
+
+# (Keras's torch backend has no sparse tensors of its own.)
+@pytest.mark.parametrize("kind", ["scipy"] + [
+    backend for backend in [keras.backend.backend()] if backend != "torch"])
+def test_a_sparse_matrix_equals_its_dense_arrays(dense_model, reference, kind):
+    """A SciPy sparse x (a TF-IDF matrix), or this backend's sparse tensor, which Keras's own
+    adapter takes, was refused as a stream ("it must yield the targets"): its rows are
+    gathered per batch, served dense."""
+    template, parallel, history = train(dense_model, _sparse(kind, X), y=Y, batch_size=BATCH,
+                                        shuffle=False)
     weights, logs = reference
     assert_weights_close(weights, template.get_weights())
     np.testing.assert_allclose(history.history["loss"], logs["loss"], rtol=1e-5)
-    np.testing.assert_allclose(parallel.predict(sparse.csr_matrix(X), batch_size=7, verbose=0),
+    np.testing.assert_allclose(parallel.predict(_sparse(kind, X), batch_size=7, verbose=0),
                                template.predict(X, verbose=0), atol=1e-6)
 
 

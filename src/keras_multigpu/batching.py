@@ -125,9 +125,29 @@ def _take(structure, index):
 
 
 def is_sparse(leaf):
-    """A SciPy sparse matrix (a TF-IDF matrix), which Keras's array adapter takes too: its
-    rows are gathered per batch, and served dense."""
-    return type(leaf).__module__.startswith("scipy.sparse")
+    """A SciPy sparse matrix (a TF-IDF matrix), or TensorFlow's or JAX's sparse tensor,
+    which Keras's array adapter takes too: their rows are gathered per batch (`as_csr`),
+    and served dense."""
+    kind = type(leaf)
+    return kind.__module__.startswith("scipy.sparse") or (kind.__name__, kind.__module__.split(
+        ".")[0]) in (("SparseTensor", "tensorflow"), ("BCOO", "jax"))
+
+
+def as_csr(leaf):
+    """A 2-D sparse matrix or tensor (`is_sparse`) as SciPy's CSR matrix, whose rows index."""
+    import scipy.sparse
+
+    if type(leaf).__module__.startswith("scipy.sparse"):
+        return leaf.tocsr()
+    if len(leaf.shape) != 2:
+        raise ValueError(
+            f"A sparse x must have 2 dimensions (samples, features). Received: a "
+            f"{type(leaf).__name__} of shape {tuple(leaf.shape)}. Pass it dense, or as a "
+            "dataset.")
+    indices, values = (np.asarray(leaf.indices), np.asarray(
+        leaf.values if hasattr(leaf, "values") else leaf.data))
+    return scipy.sparse.coo_matrix((values, (indices[:, 0], indices[:, 1])),
+                                   shape=tuple(int(d) for d in leaf.shape)).tocsr()
 
 
 def _parts(x, y, sample_weight):

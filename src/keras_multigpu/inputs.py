@@ -12,6 +12,7 @@ from keras_multigpu.batching import (
     _num_rows,
     _parts,
     _take,
+    as_csr,
     check_class_weight,
     check_dtypes,
     class_sample_weights,
@@ -148,7 +149,7 @@ def as_padded(x, y=None, sample_weight=None, *, batch_size=None, replicas, tag,
     batches = plan(rows, batch_size, replicas, drop_remainder)
     x, y, sample_weight = (
         None if part is None else tree.map_structure(
-            lambda a: a.tocsr() if is_sparse(a) else np.asarray(a), part)
+            lambda a: as_csr(a) if is_sparse(a) else np.asarray(a), part)
         for part in (x, y, sample_weight)
     )
     if class_weight is not None:
