@@ -146,6 +146,8 @@ def as_csr(leaf):
             "dataset.")
     indices, values = (np.asarray(leaf.indices), np.asarray(
         leaf.values if hasattr(leaf, "values") else leaf.data))
+    if indices.ndim != 2 or indices.shape[-1] != 2:  # a BCOO with batch or dense dimensions
+        return scipy.sparse.csr_matrix(np.asarray(leaf.todense()))
     return scipy.sparse.coo_matrix((values, (indices[:, 0], indices[:, 1])),
                                    shape=tuple(int(d) for d in leaf.shape)).tocsr()
 
