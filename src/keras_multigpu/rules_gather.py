@@ -42,7 +42,9 @@ def mixes_rows(cls):
     On TensorFlow and torch, each replica then runs the layer on the batch gathered from
     every replica (an all-reduce of its inputs, forward and backward) and keeps its own
     rows, as one device computes them; unmarked, such a layer sees only its replica's rows
-    there. The JAX engine runs one step on the whole batch, with or without the mark. Subclasses
+    there. The JAX engine runs one step on the whole batch, with or without the mark. The
+    layer's first argument (a tensor, or a list or dict of them) is what is gathered: pass
+    every input of the batch's rows in it, not in further arguments. Subclasses
     share it, unless they override `call` (their `call` runs on the replica's rows, and a
     `super().call` on the gathered batch).
 
