@@ -613,3 +613,39 @@ def test_a_traced_draw_shaped_by_the_rows_is_one_devices(split):
         part = draw(tf.zeros((k, 2))).numpy()
         expected = np.concatenate([one[b * n + start:b * n + start + k] for b in range(2)])
         np.testing.assert_array_equal(part[:2 * k], expected)
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="torch's own batch norm: the torch engine's rule")
+@pytest.mark.parametrize("split", SPLITS, ids=str)
+def test_torchs_own_batch_norm_normalizes_by_the_global_batch(split):
+    """`_torch_native.batch_norm` (torch's `F.batch_norm` in training, inside a
+    TorchModuleWrapper): every replica's rows as one device normalizes them, and the
+    running statistics moved as one device moves them (torch's unbiased variance over the
+    global count)."""
+    import torch
+
+    from keras_multigpu.backends import _torch_native
+
+    n = sum(split)
+    x = torch.from_numpy(np.random.default_rng(5).normal(size=(n, 3, 4)).astype("float32"))
+    weight, bias = torch.tensor([0.5, 1.0, 2.0]), torch.tensor([0.1, 0.0, -0.2])
+
+    def running():
+        return torch.full((3,), 0.3), torch.full((3,), 1.5)
+
+    one_mean, one_var = running()
+    one = torch.nn.functional.batch_norm(x, one_mean, one_var, weight, bias, True, 0.1, 1e-5)
+
+    def replica_norm(replica, rows):
+        mean, var = running()
+        out = _torch_native.batch_norm(replica, torch.nn.functional.batch_norm, x[rows], mean,
+                                       var, weight, bias, True, 0.1, 1e-5)
+        return out, mean, var
+
+    replicas = _Replicas(split)
+    for (k, start), (out, mean, var) in zip(zip(split, _starts(split)), replicas.run(
+            replica_norm)):
+        np.testing.assert_allclose(_numpy(out), _numpy(one[start:start + k]), atol=1e-5)
+        np.testing.assert_allclose(_numpy(mean), _numpy(one_mean), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(_numpy(var), _numpy(one_var), rtol=1e-5, atol=1e-6)
+    assert replicas.calls == [1] * len(split)  # one all-reduce of the moments per replica
