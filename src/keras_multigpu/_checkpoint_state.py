@@ -4,6 +4,7 @@ the epoch and step, the data order read so far, the generators, the model's
 
 import os
 import random
+import sys
 import warnings
 
 import keras
@@ -45,20 +46,17 @@ def _own_draws(dataset):
     source = getattr(dataset, "source", None)
     if source is None or dataset.resumable:
         return None
-    kind = type(source)
-    if any(c.__module__.startswith("torch.utils.data") and c.__name__ == "DataLoader"
-           for c in kind.__mro__):
-        import torch
-
+    data = sys.modules.get("torch.utils.data")  # a DataLoader exists only once imported
+    if data is not None and isinstance(source, data.DataLoader):
         sampler = getattr(source.batch_sampler, "sampler", source.sampler)
-        if not isinstance(source.dataset, torch.utils.data.IterableDataset) and (
+        if not isinstance(source.dataset, data.IterableDataset) and (
                 not hasattr(sampler, "generator") or (
                     sampler.generator is None and dataset._engine_state is not None)):
             return None  # it draws nothing, or from the engine's generator
         return "a torch DataLoader"
     if hasattr(source, "element_spec"):
         return "a tf.data.Dataset"
-    return f"a {kind.__name__}"
+    return f"a {type(source).__name__}"
 
 
 def _numpy(variable):

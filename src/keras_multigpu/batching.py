@@ -119,9 +119,12 @@ def _num_rows(structure, what):
 def _take(structure, index):
     if structure is None:
         return None
-    return tree.map_structure(
-        lambda a: None if a is None else a[index].toarray() if is_sparse(a) else a[index],
-        structure)
+    return tree.map_structure(lambda a: None if a is None else _rows(a[index]), structure)
+
+
+def _rows(taken):
+    """Rows taken from an array, dense: SciPy's sparse rows (`as_csr`) made dense."""
+    return taken.toarray() if hasattr(taken, "toarray") else taken
 
 
 def is_sparse(leaf):
@@ -137,7 +140,7 @@ def as_csr(leaf):
     """A 2-D sparse matrix or tensor (`is_sparse`) as SciPy's CSR matrix, whose rows index."""
     import scipy.sparse
 
-    if type(leaf).__module__.startswith("scipy.sparse"):
+    if hasattr(leaf, "tocsr"):  # SciPy's own
         return leaf.tocsr()
     if len(leaf.shape) != 2:
         raise ValueError(
