@@ -153,9 +153,11 @@ def test_pad_batch_without_y():
 
 
 def test_pad_batch_bare_array_without_y():
+    # x alone stays x alone, as Keras hands one device's step x alone (not `(x,)`).
     tagged, rows = pad_batch(_x(3), 2, TAG)
     assert rows == 3
-    assert _padded_parts(tagged)[0].shape == (4, 2)
+    assert _padded_parts(tagged).shape == (4, 2)
+    np.testing.assert_array_equal(engine.untag(tagged), _x(3))
 
 
 def test_pad_batch_with_y_and_sample_weight():

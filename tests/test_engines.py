@@ -570,6 +570,75 @@ def test_add_loss_summed_over_the_batch(gpus):
     _assert_same(*runs)
 
 
+class StepInputs(keras.Model):
+    """A model that learns from x alone (its own loss), and records what each of its steps
+    is handed: x alone or a tuple, as Keras packs it."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = keras.layers.Dense(3)
+        self.seen = set()
+
+    def call(self, x):
+        out = self.body(x)
+        self.add_loss(keras.ops.mean(keras.ops.square(out - 1.0)))
+        return out
+
+    def _seen(self, kind, args):
+        data = args[-1]
+        # (torch's DataLoader hands one device a generator's tuple as a list: not told apart)
+        alone = not isinstance(data, (tuple, list))
+        self.seen.add((kind, "x alone" if alone else f"sequence of {len(data)}"))
+
+    def train_step(self, *args):
+        self._seen("train", args)
+        return super().train_step(*args)
+
+    def test_step(self, *args):
+        self._seen("test", args)
+        return super().test_step(*args)
+
+    def predict_step(self, *args):
+        self._seen("predict", args)
+        return super().predict_step(*args)
+
+
+@pytest.mark.parametrize("gpus", [2, 3])
+@pytest.mark.parametrize("source", ["arrays", "generator of (x,)"])
+def test_a_step_is_handed_x_alone_as_on_one_device(gpus, source):
+    """Keras hands a step x alone for arrays without targets (a VAE's `train_step(self,
+    data)` calls its encoder on `data`), and a generator's `(x,)` as it is. The library
+    handed `(x,)` for arrays: such a step failed, or called its model on a tuple."""
+    x = _data(11)[0]
+
+    def data():
+        if source == "arrays":
+            return {"x": x, "batch_size": 4}
+        return {"x": ((x[i:i + 4],) for i in range(0, 11, 4)), "steps": 3}
+
+    runs = []
+    for count in (None, gpus):
+        keras.utils.set_random_seed(0)
+        model = StepInputs()
+        target = model if count is None else kmg.multi_gpu_model(model, gpus=count)
+        target.compile(optimizer=keras.optimizers.SGD(0.1))
+        fit = data()
+        fit["steps_per_epoch"] = fit.pop("steps", None)
+        history = target.fit(**fit, epochs=1, shuffle=False, verbose=0)
+        logs = target.evaluate(**data(), verbose=0, return_dict=True)
+        predictions = target.predict(**data(), verbose=0)
+        runs.append((model, history.history, logs, predictions))
+    (ref, ref_history, ref_logs, ref_predictions), (model, history, logs, predictions) = runs
+    expected = "x alone" if source == "arrays" else "sequence of 1"
+    assert ref.seen == {(kind, expected) for kind in ("train", "test", "predict")}
+    assert model.seen == ref.seen
+    for a, b in zip(ref.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(b, a, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(history["loss"], ref_history["loss"], rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(logs["loss"], ref_logs["loss"], rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(predictions, ref_predictions, rtol=RTOL, atol=ATOL)
+
+
 class OwnStep(keras.Model):
     """A model whose own train_step computes a plain mean loss, written for any backend."""
 

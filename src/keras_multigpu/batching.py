@@ -164,6 +164,15 @@ def _parts(x, y, sample_weight):
     return (x,)
 
 
+def keras_batch(x, y=None, sample_weight=None):
+    """A batch of arrays as Keras's array adapter hands it to a step: x alone when it is
+    all there is and not a tuple or list (`keras.utils.pack_x_y_sample_weight`), else
+    `_parts` (which keeps sample weights without targets, for a model's own loss)."""
+    if y is None and sample_weight is None and not isinstance(x, (tuple, list)):
+        return x
+    return _parts(x, y, sample_weight)
+
+
 def _numeric(dtype):
     """`(name, whether a model can take it)` for any framework's dtype."""
     try:
@@ -278,12 +287,13 @@ def check_batched(shapes):
 
 
 def pad_batch(batch, replicas, tag, class_weight=None, text=False):
-    """Pads one `(x,)`, `(x, y)` or `(x, y, sample_weight)` batch, and tags it even when it
-    needs no padding: Keras fixes a stream's data layout from its first batch, and
+    """Pads one `x`, `(x,)`, `(x, y)` or `(x, y, sample_weight)` batch, and tags it even when
+    it needs no padding: Keras fixes a stream's data layout from its first batch, and
     TensorFlow's `*_on_batch` hand every replica the whole batch, which the marker splits.
 
     Args:
-        batch: the batch, as a user's dataset yields it.
+        batch: the batch, as a user's dataset yields it. The step gets its rows in the same
+            structure: x alone stays x alone, as on one device.
         replicas: the device count.
         tag: the engine's `tag(batch, rows, replicas)` (see `backends`).
         class_weight: Keras's `class_weight`, turned into sample weights.
@@ -306,12 +316,12 @@ def pad_batch(batch, replicas, tag, class_weight=None, text=False):
         raise ValueError("A batch has 0 rows. Every batch needs at least one sample.")
     if class_weight is not None:
         sample_weight = class_sample_weights(y, class_weight, sample_weight)
-    parts = tuple(
-        None if part is None else tree.map_structure(np.asarray, part)
-        for part in _parts(x, y, sample_weight)
-    )
     index, _ = pad_indices(rows, replicas)
-    return tag(tuple(_take(part, index) for part in parts), rows, replicas), rows
+    parts = tuple(None if part is None else _take(tree.map_structure(np.asarray, part), index)
+                  for part in _parts(x, y, sample_weight))
+    if not isinstance(batch, (tuple, list)) and len(parts) == 1:
+        parts = parts[0]
+    return tag(parts, rows, replicas), rows
 
 
 def generator_state(rng):

@@ -10,13 +10,13 @@ from keras_multigpu._keras import data_adapters
 from keras_multigpu.batching import (
     _is_array_like,
     _num_rows,
-    _parts,
     _take,
     as_csr,
     check_class_weight,
     check_dtypes,
     class_sample_weights,
     is_sparse,
+    keras_batch,
     pad_batch,
     pad_indices,
     plan,
@@ -33,9 +33,9 @@ def _array_server(x, y, sample_weight, plan, tag, take=None, put=None):
         if take is not None:
             # One gather per array on the devices: the batch's rows and its padding together.
             px, py = take(index.astype("int32"))
-            parts = _parts(px, py, _take(sample_weight, index))
+            parts = keras_batch(px, py, _take(sample_weight, index))
         else:
-            parts = _parts(_take(x, index), _take(y, index), _take(sample_weight, index))
+            parts = keras_batch(_take(x, index), _take(y, index), _take(sample_weight, index))
             if put is not None:
                 parts = put(parts)
         if not plan.padded:
@@ -222,11 +222,10 @@ def _stream_server(batch, replicas, tag, text=False):
     """`serve` for a stream (PyDataset, generator, tf.data, DataLoader): every batch is
     tagged, since Keras fixes the data layout from an epoch's first batch."""
     if not isinstance(batch, (tuple, list)) or not 1 <= len(batch) <= 3:
-        if isinstance(batch, dict) or hasattr(batch, "shape"):
-            batch = (batch,)
-        else:
+        if not (isinstance(batch, dict) or hasattr(batch, "shape")):
             raise ValueError(
                 "A batch of the input must be a tuple, either (inputs,) or (inputs, targets) "
                 "or (inputs, targets, sample_weights). Received: "
                 f"{type(batch).__name__}. Yield (x, y) batches, or (x,) for inputs alone.")
-    return pad_batch(tuple(batch), replicas, tag, text=text)[0]
+    return pad_batch(tuple(batch) if isinstance(batch, list) else batch, replicas, tag,
+                     text=text)[0]
