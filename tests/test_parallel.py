@@ -377,6 +377,19 @@ def test_one_device_and_zero_give_a_parallel_model(dense_model):
     assert kmg.multi_gpu_model(dense_model(), gpus=[last]).devices[0].id == last
 
 
+def test_tf_keras_callers_run_unchanged(dense_model):
+    """`tf.keras.utils.multi_gpu_model(model, gpus, cpu_merge, cpu_relocation)`: code written
+    for it (its docs' saving example passes `cpu_relocation=True`) trains as it is."""
+    x, y = classification_data(10)
+    reference = compile_sgd(dense_model())
+    ref_history = reference.fit(x, y, batch_size=3, epochs=2, shuffle=False, verbose=0)
+    old = compile_sgd(kmg.multi_gpu_model(dense_model(), gpus=engine_gpus(2), cpu_merge=False,
+                                          cpu_relocation=True))
+    old_history = old.fit(x, y, batch_size=3, epochs=2, shuffle=False, verbose=0)
+    assert_history_close(ref_history, old_history)
+    assert_weights_close(reference.get_weights(), old.get_weights())
+
+
 def test_model_like_surface(dense_model):
     template = dense_model()
     parallel = kmg.multi_gpu_model(template, gpus=engine_gpus(2))

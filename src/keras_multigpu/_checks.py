@@ -245,3 +245,20 @@ def _split(x, y, sample_weight, fraction):
         tuple(batching._take(part, train) for part in (x, y, sample_weight)),
         tuple(batching._take(part, val) for part in (x, y, sample_weight)),
     )
+
+
+def _needs_symbolic_build(model):
+    """Keras's own test (`Trainer._symbolic_build`) for building from a batch."""
+    return (
+        not all(layer.built for layer in model._flatten_layers())
+        or (model._compile_metrics is not None and not model._compile_metrics.built)
+        or (model._compile_loss is not None and not model._compile_loss.built)
+    )
+
+
+def _builds_in_its_step(model):
+    """A model with no `call` whose sub-models are built (a GAN whose `train_step` calls its
+    generator and discriminator): nothing can build it from a batch, and its step needs
+    nothing more."""
+    return type(model).call is keras.Model.call and all(
+        layer.built for layer in model._flatten_layers(include_self=False))

@@ -25,18 +25,20 @@ from keras_multigpu import _keras, backends, batching, launch, processes
 from keras_multigpu import devices as devices_lib
 from keras_multigpu._calls import Calls
 from keras_multigpu._checks import (
+    _builds_in_its_step,
     _check_batch_state,
     _check_gradient_accumulation,
     _check_reductions,
     _checked_step_result,
     _compile_arguments,
+    _needs_symbolic_build,
     _optimizers,
     _rows_not_first,
 )
 from keras_multigpu._face import TemplateFace
 
 
-def multi_gpu_model(model, gpus=None):
+def multi_gpu_model(model, gpus=None, cpu_merge=True, cpu_relocation=False):
     """Returns a `ParallelModel` that trains `model` on several devices.
 
     Args:
@@ -46,6 +48,10 @@ def multi_gpu_model(model, gpus=None):
         gpus: None for every accelerator (every CPU device when there is
             none); an int k for the first k devices (0 and 1 mean one
             device); or a list of device ids, e.g. `[0, 2]`.
+        cpu_merge, cpu_relocation: `tf.keras.utils.multi_gpu_model`'s, taken so
+            that its callers run unchanged, and without effect: the engine merges
+            outputs and gradients, and the template, which holds the weights,
+            saves and loads on any device.
 
     Example:
 
@@ -89,23 +95,6 @@ def multi_gpu_model(model, gpus=None):
 # on the devices, split, while the step before it runs.
 RESIDENT_FRACTION = 0.25
 RESIDENT_LIMIT_BYTES = 2 * 2**30
-
-
-def _needs_symbolic_build(model):
-    """Keras's own test (`Trainer._symbolic_build`) for building from a batch."""
-    return (
-        not all(layer.built for layer in model._flatten_layers())
-        or (model._compile_metrics is not None and not model._compile_metrics.built)
-        or (model._compile_loss is not None and not model._compile_loss.built)
-    )
-
-
-def _builds_in_its_step(model):
-    """A model with no `call` whose sub-models are built (a GAN whose `train_step` calls its
-    generator and discriminator): nothing can build it from a batch, and its step needs
-    nothing more."""
-    return type(model).call is keras.Model.call and all(
-        layer.built for layer in model._flatten_layers(include_self=False))
 
 
 def _symbolic(value):
