@@ -305,6 +305,43 @@ def test_layers_that_mix_rows_of_the_batch_equal_one_device(gpus):
     _assert_same(*runs)
 
 
+class _Recommender(keras.Model):
+    """keras-io's collaborative filtering (RecommenderNet): `ops.tensordot(users, movies,
+    2)` contracts the batch axis too, one value for the batch that every row adds."""
+
+    def __init__(self):
+        super().__init__(name="recommender")  # TensorFlow's scopes take no leading "_"
+        self.users = keras.layers.Embedding(7, 4, embeddings_initializer="he_normal")
+        self.movies = keras.layers.Embedding(9, 4, embeddings_initializer="he_normal")
+        self.bias = keras.layers.Embedding(9, 1)
+
+    def call(self, inputs):
+        users, movies = self.users(inputs[:, 0]), self.movies(inputs[:, 1])
+        return keras.ops.sigmoid(keras.ops.tensordot(users, movies, 2)
+                                 + self.bias(inputs[:, 1]))
+
+
+@pytest.mark.parametrize("gpus", [3] if BACKEND == "jax" else [2, 3])  # JAX: one global step
+def test_a_contraction_over_the_batch_equals_one_device(gpus):
+    """Each replica computes the contraction on the gathered batch (it summed its own rows
+    only: weights 1e-2 from one device's on TensorFlow and torch). 26 rows in batches of 5,
+    so replicas of 1 and 2 rows and, in the last batch, of none."""
+    rng = np.random.default_rng(6)
+    pairs = np.stack([rng.integers(0, 7, 26), rng.integers(0, 9, 26)], 1).astype("int32")
+    data = (pairs, rng.uniform(size=(26, 1)).astype("float32"))
+
+    def build():
+        keras.utils.set_random_seed(0)
+        return _Recommender()
+
+    def compile(model):
+        model.compile(optimizer=keras.optimizers.SGD(0.5), loss="binary_crossentropy")
+
+    runs = [_train(count, 26, 5, build=build, compile=compile, data=data, shuffle=True)
+            for count in (None, gpus)]
+    _assert_same(*runs)
+
+
 def _torch_module_model():
     """torch's own layers in a Keras model, as Keras's `TorchModuleWrapper` documents them:
     a BatchNorm2d, whose statistics are the batch's, and a Dropout, whose mask torch draws

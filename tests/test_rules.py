@@ -582,6 +582,71 @@ def test_a_layer_that_mixes_rows_across_the_batch_gives_one_devices_rows(split, 
         np.testing.assert_allclose(_numpy(part), one[start:start + k], rtol=1e-6)
 
 
+def _tensordot():
+    from keras_multigpu._keras import backend
+
+    return backend.numpy.tensordot  # Keras's own: no rule is installed in these tests
+
+
+def _embeddings(n, seed):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, 4)).astype("float32"), rng.normal(size=(n, 3)).astype("float32")
+
+
+@pytest.mark.parametrize("split", SPLITS, ids=str)
+@pytest.mark.parametrize("axes", [2, ([0], [0]), ((0, 1), (0, 1))], ids=str)
+def test_a_contraction_over_the_batch_axis_is_one_devices(split, axes):
+    """keras-io's collaborative filtering adds `ops.tensordot(users, movies, 2)` of two
+    (rows, d) embeddings, one value for the batch, to every row: each replica computes one
+    device's value from the gathered rows."""
+    x1, x2 = _embeddings(sum(split), 9)
+    if axes != ([0], [0]):
+        x2 = x2[:, :1] + x1  # the same shape as x1's
+    tensordot = _tensordot()
+    one = _numpy(tensordot(x1, x2, axes=axes))
+    replicas = _Replicas(split)
+    parts = replicas.run(lambda replica, rows: rules.batch_contraction(
+        replica, tensordot, keras.ops.convert_to_tensor(x1[rows]),
+        keras.ops.convert_to_tensor(x2[rows]), axes=axes))
+    for part in parts:
+        np.testing.assert_allclose(_numpy(part), one, rtol=1e-5, atol=1e-5)
+    assert len(set(replicas.calls)) == 1  # every replica joined the same collectives
+
+
+@pytest.mark.parametrize("split", SPLITS, ids=str)
+def test_a_contractions_gradient_reaches_each_replicas_rows(split):
+    """Each replica's gradient with respect to its own rows, weighed by k / n as the
+    engines weigh a replica's gradients, is one device's."""
+    n = sum(split)
+    x1, x2 = _embeddings(n, 10)
+    x2 = x2[:, :1] * x1
+    tensordot = _tensordot()
+    one = _input_gradient(lambda a: keras.ops.tanh(tensordot(a, x2, axes=2)), x1)
+    parts = _Replicas(split).run(lambda replica, rows: _input_gradient(
+        lambda a: keras.ops.tanh(rules.batch_contraction(
+            replica, tensordot, a, keras.ops.convert_to_tensor(x2[rows]), axes=2)), x1[rows]))
+    weighed = np.concatenate([(k / n) * part for k, part in zip(split, parts)])
+    np.testing.assert_allclose(weighed, one, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("split", [(2, 2), (2, 1), (2, 0)], ids=str)
+@pytest.mark.parametrize("axes", [2, ([1], [1])], ids=str)
+def test_a_weight_contracted_with_itself_is_not_gathered(split, axes):
+    """A weight of as many rows as a replica's share (a Frobenius norm, `tensordot(w, w,
+    2)`) is the same on every replica: each computes it alone, as one device does, and so
+    does a contraction that leaves the rows (`axes=([1], [1])`)."""
+    w = np.random.default_rng(11).normal(size=(2, 3)).astype("float32")
+    tensordot = _tensordot()
+    one = _numpy(tensordot(w, w, axes=axes))
+    replicas = _Replicas(split)
+    parts = replicas.run(lambda replica, rows: rules.batch_contraction(
+        replica, tensordot, keras.ops.convert_to_tensor(w), keras.ops.convert_to_tensor(w),
+        axes=axes))
+    for part in parts:
+        np.testing.assert_allclose(_numpy(part), one, rtol=1e-6)
+    assert replicas.calls == [1 if axes == 2 else 0] * len(split)  # the vote, or none
+
+
 def test_a_draw_not_shaped_by_the_rows_is_the_replicas_own():
     """A draw whose first dimension is no multiple of the rows (a weight's noise) is what
     one device draws, on every replica."""

@@ -25,8 +25,9 @@ from typing import Any
 
 import keras
 
-from keras_multigpu._keras import base_trainer, loss_module
+from keras_multigpu._keras import backend, base_trainer, loss_module
 from keras_multigpu.rules_gather import (
+    batch_contraction,
     compiled_loss,
     loss_classes,
     mixing_layer,
@@ -46,7 +47,8 @@ from keras_multigpu.rules_random import batch_draw, dropout, random_draw
 __all__ = [
     "Replica", "weight", "weigh", "weighted_scalar", "reduce_values", "apply_mask",
     "additional_loss", "mean_update", "weighted_sum", "moments", "batch_draw", "random_draw",
-    "dropout", "mixing_layer", "compiled_loss", "one_value_loss", "global_result",
+    "dropout", "mixing_layer", "batch_contraction", "compiled_loss", "one_value_loss",
+    "global_result",
     "metrics_result", "generic_metrics_result", "metrics_owner", "metric_classes", "table",
     "installed", "suspended",
 ]
@@ -319,6 +321,7 @@ def table(step, call, random_module, draws, logs=None):
         *((random_module, name, random_draw, step) for name in draws),
         (random_module, "dropout", dropout, step),
         *((cls, "call", mixing_layer, step) for cls in mixing_layers()),
+        (backend.numpy, "tensordot", batch_contraction, step),
         (base_trainer.CompileLoss, "call", compiled_loss, step),
         *((cls, "call", one_value_loss, step) for cls in loss_classes()),
         *((cls, "result", global_result, call) for cls in metric_classes()),

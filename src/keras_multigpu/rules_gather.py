@@ -1,6 +1,6 @@
 """The exactness rules that need the whole batch, written once in `keras.ops` (see `rules`):
-a layer that mixes rows across the batch, and a loss that returns one value for the batch,
-run on the batch gathered from every replica."""
+a layer that mixes rows across the batch, a loss that returns one value for the batch, and
+a `tensordot` that sums over the batch axis, run on the batch gathered from every replica."""
 
 import contextlib
 import threading
@@ -96,6 +96,46 @@ def mixing_layer(replica, original, layer, data, *args, **kwargs):
         replica.k, replica.start = k, start
     rows = keras.ops.arange(k) + start
     return keras.tree.map_structure(lambda x: keras.ops.take(x, rows, axis=0), mixed)
+
+
+def batch_contraction(replica, original, x1, x2, axes=2):
+    """The backend's `tensordot` (`original`, which `ops.tensordot` calls) where it sums
+    over the batch axis of both operands: keras-io's collaborative filtering contracts
+    `axes=2` of two (rows, d) embeddings, one value for the batch that every row's
+    prediction adds. Each replica computes it on the batch gathered from every replica, as
+    one device does (the gather's gradient hands each replica its rows' part); any other
+    contraction is Keras's own."""
+    if not _contracts_rows(replica, x1, x2, axes):
+        return original(x1, x2, axes=axes)
+    what = "all-gather of the batch for ops.tensordot"
+    return original(gather(replica, x1, what), gather(replica, x2, what), axes=axes)
+
+
+def _contracts_rows(replica, x1, x2, axes):
+    """Whether `tensordot` pairs axis 0 of `x1` with axis 0 of `x2`, and both hold this
+    replica's rows. A traced step's rows are its dynamic first dimension. Eager replicas
+    join a vote (the axes, so the call to vote, are the same on every one): the rows are
+    the batch's where every replica sees its own k rows there, and the operands are not
+    the same on every replica (a weight of k rows contracted with itself is)."""
+    ndim1, ndim2 = len(keras.ops.shape(x1)), len(keras.ops.shape(x2))
+    if not (ndim1 and ndim2):
+        return False
+    if isinstance(axes, int):
+        paired = axes == ndim1  # x1's last `axes` axes with x2's first: 0 with 0
+    else:
+        first, second = ([a] if isinstance(a, int) else list(a) for a in axes)
+        paired = any(a % ndim1 == 0 and b % ndim2 == 0 for a, b in zip(first, second))
+    if not paired:
+        return False
+    rows = _replicas_rows(replica, x1) and _replicas_rows(replica, x2)
+    if replica.traced:
+        return rows
+    mine = keras.ops.stack([keras.ops.convert_to_tensor(float(rows))] + [
+        keras.ops.cast(keras.ops.sum(x), "float32") for x in (x1, x2)])
+    slot = keras.ops.one_hot(replica.index, replica.replicas, dtype="float32")
+    every = keras.ops.convert_to_numpy(replica.all_reduce(
+        [slot[:, None] * mine[None]], "all-reduce of ops.tensordot's rows")[0])
+    return bool(every[:, 0].all() and (every[:, 1:] != every[:1, 1:]).any())
 
 
 def classes_defining(base, name):
