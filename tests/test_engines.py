@@ -740,6 +740,43 @@ def test_own_train_step_with_its_own_mean(gpus):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=ATOL)
 
 
+class RawLogs(keras.Model):
+    """A step that returns, beside Keras's logs, a value it computed from its batch, not
+    read from a metric (keras-io's WGAN-GP and CycleGAN return their losses so)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = keras.layers.Dense(3, activation="softmax")
+
+    def call(self, x):
+        return self.body(x)
+
+    def train_step(self, *args):
+        x, _ = args[-1]
+        raw = {"raw_mean": keras.ops.mean(keras.ops.square(x)), "steps": 1}
+        if BACKEND == "jax":
+            logs, state = super().train_step(*args)
+            return {**logs, **raw}, state
+        return {**super().train_step(*args), **raw}
+
+
+@pytest.mark.parametrize("gpus", [2, 3])
+def test_a_value_a_step_returns_is_taken_for_a_mean_over_its_rows(gpus):
+    """Such a value was each replica's own: TensorFlow averaged the replicas' (a batch of
+    10 rows on 3 replicas weighs 4 rows as 3), torch logged the first process's. Each is
+    now weighed by its replica's rows, as the gradients are; a metric's result is not
+    touched, and a Python number stays one. 26 rows in batches of 5: replicas without
+    rows too."""
+    runs = [_train(count, 26, 5, build=lambda: _seeded(RawLogs), shuffle=True)
+            for count in (None, gpus)]
+    _assert_same(*runs)
+
+
+def _seeded(build):
+    keras.utils.set_random_seed(0)
+    return build()
+
+
 class HalvedGradients(OwnStep):
     """Keras's torch step, with every gradient halved in place between the backward pass
     and `apply` (linear, so one device halves the same sums)."""

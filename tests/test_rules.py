@@ -387,6 +387,30 @@ def test_a_metric_result_read_by_a_replica_is_one_devices(split, metric):
         np.testing.assert_allclose(_numpy(result), _numpy(one.result()), rtol=1e-6)
 
 
+@pytest.mark.parametrize("split", SPLITS, ids=str)
+def test_a_value_a_step_returns_is_weighed_as_a_mean_unless_a_metric_read_it(split):
+    """`own_logs`: a float tensor a step returned from its rows is weighed by k / n across
+    the replicas (one device's mean); a metric's result (recorded by the rules that read
+    it) and an int are left as they are; without such a value, no all-reduce."""
+    x = np.random.default_rng(12).normal(size=(sum(split),)).astype("float32")
+    replicas = _Replicas(split)
+
+    def step(replica, rows, raw=True):
+        metric = keras.ops.convert_to_tensor(np.float32(7.0))
+        replica.results.append(metric)
+        logs = {"metric": metric, "count": keras.ops.convert_to_tensor(3)}
+        if raw:
+            logs["raw"] = keras.ops.mean(keras.ops.convert_to_tensor(x[rows]))
+        return logs, rules.own_logs(replica, logs)
+
+    for returned, logs in replicas.run(step):
+        np.testing.assert_allclose(_numpy(logs["raw"]), x.mean(), rtol=1e-6)
+        assert logs["metric"] is returned["metric"] and logs["count"] is returned["count"]
+    assert replicas.calls == [1] * len(split)
+    replicas.run(lambda replica, rows: step(replica, rows, raw=False))
+    assert replicas.calls == [1] * len(split)  # none more
+
+
 class _Trainer:
     """What Keras's `get_metrics_result` reads of a trainer: its metrics."""
 

@@ -41,6 +41,7 @@ from keras_multigpu.rules_metrics import (
     metric_classes,
     metrics_owner,
     metrics_result,
+    own_logs,
 )
 from keras_multigpu.rules_random import batch_draw, dropout, random_draw
 
@@ -48,9 +49,8 @@ __all__ = [
     "Replica", "weight", "weigh", "weighted_scalar", "reduce_values", "apply_mask",
     "additional_loss", "mean_update", "weighted_sum", "moments", "batch_draw", "random_draw",
     "dropout", "mixing_layer", "batch_contraction", "compiled_loss", "one_value_loss",
-    "global_result",
-    "metrics_result", "generic_metrics_result", "metrics_owner", "metric_classes", "table",
-    "installed", "suspended",
+    "global_result", "metrics_result", "generic_metrics_result", "own_logs", "metrics_owner",
+    "metric_classes", "table", "installed", "suspended",
 ]
 
 
@@ -73,6 +73,7 @@ class Replica:
             static first dimension (a Python int) is never the batch's rows.
         masked: set by `apply_mask` when it has divided a mean by the valid entries of
             every replica, and read (then cleared) by `reduce_values`.
+        results: the metric results read in the step (the batch's already: `own_logs`).
     """
 
     k: Any
@@ -83,6 +84,7 @@ class Replica:
     index: Any = None
     traced: bool = False
     masked: bool = False
+    results: list = dataclasses.field(default_factory=list)
 
 
 def weight(replica, dtype="float32"):

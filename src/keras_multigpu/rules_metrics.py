@@ -34,7 +34,9 @@ def global_result(replica, original, metric):
     if state is None:
         return original(metric)
     with keras.StatelessScope(state_mapping=state):
-        return original(metric)
+        result = original(metric)
+    replica.results.extend(keras.tree.flatten(result))
+    return result
 
 
 def metrics_result(replica, original, trainer):
@@ -50,9 +52,35 @@ def metrics_result(replica, original, trainer):
     variables = list({id(v): v for m in trainer.metrics for v in m.variables}.values())
     state = _global_state(replica, variables) if variables else None
     if state is None:
-        return generic_metrics_result(trainer)
-    with keras.StatelessScope(state_mapping=state):
-        return generic_metrics_result(trainer)
+        logs = generic_metrics_result(trainer)
+    else:
+        with keras.StatelessScope(state_mapping=state):
+            logs = generic_metrics_result(trainer)
+    replica.results.extend(keras.tree.flatten(logs))
+    return logs
+
+
+def own_logs(replica, logs):
+    """The logs a step returned (`logs`), as one device's. A metric's result is the batch's
+    already (`global_result`, `metrics_result`); any other float tensor (a loss a custom
+    `train_step` returns as it computed it, on its replica's rows) is taken for a mean over
+    the rows, as the gradients are, and weighed by k / n across the replicas: one
+    all-reduce for them all, none where every value is a metric's. Keras's own reduction
+    of the replicas' logs then finds them equal."""
+    if not isinstance(logs, dict):
+        return logs
+    own = {key: value for key, value in logs.items()
+           if keras.ops.is_tensor(value) and not any(value is r for r in replica.results)
+           and keras.backend.standardize_dtype(value.dtype).startswith(("float", "bfloat"))}
+    if not own:
+        return logs
+    w = keras.ops.divide_no_nan(keras.ops.cast(replica.k, "float32"),
+                                keras.ops.cast(replica.n, "float32"))
+    weighed = [keras.ops.where(w > 0, keras.ops.cast(keras.ops.stop_gradient(v), "float32") * w,
+                               0.0) for v in own.values()]
+    summed = replica.all_reduce(weighed, "all-reduce of the logs the step returned")
+    return {**logs, **{key: keras.ops.cast(value, own[key].dtype)
+                       for key, value in zip(own, summed)}}
 
 
 def generic_metrics_result(trainer):

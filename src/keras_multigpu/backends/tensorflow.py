@@ -339,7 +339,8 @@ def run_step(step, data, rows_out=False):
                                   traced=True)
     replica.losses = {}  # this replica's `add_loss` values (see `_tf_rules._add_loss`)
     try:
-        return step(_dynamic_rows(untag(data)))
+        result = step(_dynamic_rows(untag(data)))
+        return result if rows_out else rules.own_logs(replica.state, result)
     finally:
         replica.state, replica.losses = previous
 

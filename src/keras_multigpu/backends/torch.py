@@ -245,7 +245,7 @@ def run_step(step, data, rows_out=False):
     with contextlib.ExitStack() as finishing:  # each one finishes, whatever the others raise
         for reducer in reducers:
             finishing.callback(reducer.finish)
-    return _gather_rows(result, k, n) if rows_out else result
+    return _gather_rows(result, k, n) if rows_out else rules.own_logs(replica, result)
 
 
 # -- the rules, in force inside `scope` (keras_multigpu.rules) ------------
