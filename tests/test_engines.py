@@ -400,6 +400,49 @@ def test_a_loss_of_one_value_for_the_batch_equals_one_device(gpus, loss):
     _assert_same(*runs)
 
 
+class SupervisedContrastiveLoss(keras.losses.Loss):
+    """keras-io's supervised contrastive loss, as written there: a `__call__` of its own,
+    whose logits compare every row of the batch with every other."""
+
+    def __init__(self, temperature=1, name=None):
+        super().__init__(name=name)
+        self.temperature = temperature
+
+    def __call__(self, labels, feature_vectors, sample_weight=None):
+        normalized = keras.utils.normalize(feature_vectors, axis=1, order=2)
+        logits = keras.ops.divide(
+            keras.ops.matmul(normalized, keras.ops.transpose(normalized)), self.temperature)
+        labels = keras.ops.cast(keras.ops.squeeze(labels), "float32")  # its npairs_loss:
+        same = keras.ops.cast(keras.ops.equal(keras.ops.reshape(labels, (-1, 1)),
+                                              keras.ops.reshape(labels, (1, -1))), "float32")
+        same = same / keras.ops.sum(same, axis=1, keepdims=True)
+        return keras.ops.mean(keras.losses.categorical_crossentropy(same, logits,
+                                                                    from_logits=True))
+
+
+@pytest.mark.parametrize("gpus", [3] if BACKEND == "jax" else [2, 3])  # JAX: one global step
+def test_a_loss_with_its_own_call_equals_one_device(gpus):
+    """Such a loss returns one value for the batch, whatever it reduces: each replica
+    computes it on the gathered batch (it compared its own rows only: weights 0.8 from one
+    device's on TensorFlow, 0.3 on torch). 26 rows in batches of 5: replicas of one row,
+    and of none."""
+    rng = np.random.default_rng(7)
+    data = (rng.normal(size=(26, 6)).astype("float32"), rng.integers(0, 3, (26, 1)))
+
+    def build():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
+                                 keras.layers.Dense(4)])
+
+    def compile(model):
+        model.compile(optimizer=keras.optimizers.SGD(0.05),
+                      loss=SupervisedContrastiveLoss(0.05))
+
+    runs = [_train(count, 26, 5, build=build, compile=compile, data=data, shuffle=True)
+            for count in (None, gpus)]
+    _assert_same(*runs)
+
+
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="a model takes text on TensorFlow alone")
 def test_a_model_that_takes_text_equals_one_device():
     """keras-io's end-to-end text model: TextVectorization inside the model, fed strings as

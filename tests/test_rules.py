@@ -204,8 +204,19 @@ class _DiceAndVariance(keras.losses.Loss):
         return keras.losses.Dice()(y_true, y_pred) + keras.ops.var(y_pred)
 
 
+class _ContrastiveCall(keras.losses.Loss):
+    """keras-io's supervised contrastive loss: a `__call__` of its own, which compares every
+    row with every other."""
+
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        logits = keras.ops.matmul(y_pred, keras.ops.transpose(y_pred))
+        same = keras.ops.matmul(y_true, keras.ops.transpose(y_true))
+        return keras.ops.mean(keras.ops.square(logits - same))
+
+
 _LOSSES = {
     "dice": keras.losses.Dice,  # 1 - 2 * a sum over the batch / a sum
+    "contrastive_call": _ContrastiveCall,
     "dice_and_variance": _DiceAndVariance,
     "tversky": lambda: keras.losses.Tversky(alpha=0.3, beta=0.7),
     "own_mean": _OwnMean,
@@ -217,7 +228,8 @@ _LOSSES = {
 def _loss_rules(guard):
     return [(*rule, guard) for rule in _ONE_VALUE_RULES] + [
         (base_trainer.CompileLoss, "call", rules.compiled_loss, guard),
-        *((cls, "call", rules.one_value_loss, guard) for cls in rules.loss_classes())]
+        *((cls, "call", rules.one_value_loss, guard) for cls in rules.loss_classes()),
+        *((cls, "__call__", rules.own_call_loss, guard) for cls in rules.loss_calls())]
 
 
 def _compiled(loss, y_true, y_pred):
@@ -262,7 +274,7 @@ def test_a_loss_of_one_value_for_the_batch_is_computed_on_the_whole_batch(split,
         parts = replicas.run(lambda replica, rows: loss(y_true[rows], y_pred[rows]))
     assert len(set(replicas.calls)) == 1  # the same collectives on every replica
     np.testing.assert_allclose(_weighed_sum(split, parts), one, rtol=1e-6)
-    if name in ("dice", "tversky", "dice_and_variance"):
+    if name in ("dice", "tversky", "dice_and_variance", "contrastive_call"):
         for part in parts:  # every replica holds one device's value
             np.testing.assert_allclose(_numpy(part), one, rtol=1e-6)
 
@@ -310,12 +322,14 @@ def test_a_loss_a_custom_step_calls_itself_is_the_replicas_own(split):
 
 
 @pytest.mark.parametrize("split", SPLITS, ids=str)
-def test_a_one_value_losss_gradient_reaches_each_replicas_rows(split):
-    """Each replica's gradient of the batch's Dice loss with respect to its own rows,
-    weighed by k / n as the engines weigh a replica's gradients, is one device's."""
+@pytest.mark.parametrize("name", ["dice", "contrastive_call"])
+def test_a_one_value_losss_gradient_reaches_each_replicas_rows(split, name):
+    """Each replica's gradient of the batch's Dice loss (or a Loss's own `__call__`) with
+    respect to its own rows, weighed by k / n as the engines weigh a replica's gradients,
+    is one device's."""
     y_true, y_pred = _labels_and_predictions(sum(split), 8)
-    one = _input_gradient(lambda p: _compiled(keras.losses.Dice(), y_true, p)(y_true, p), y_pred)
-    loss = _decided(_compiled(keras.losses.Dice(), y_true, y_pred), y_true, y_pred, split)
+    one = _input_gradient(lambda p: _compiled(_LOSSES[name](), y_true, p)(y_true, p), y_pred)
+    loss = _decided(_compiled(_LOSSES[name](), y_true, y_pred), y_true, y_pred, split)
     replicas = _Replicas(split)
     with rules.installed(_loss_rules(replicas.guard)):
         parts = replicas.run(lambda replica, rows: _input_gradient(

@@ -29,10 +29,12 @@ from keras_multigpu._keras import backend, base_trainer, loss_module
 from keras_multigpu.rules_gather import (
     batch_contraction,
     compiled_loss,
+    loss_calls,
     loss_classes,
     mixing_layer,
     mixing_layers,
     one_value_loss,
+    own_call_loss,
     switched_on,
 )
 from keras_multigpu.rules_metrics import (
@@ -49,8 +51,8 @@ __all__ = [
     "Replica", "weight", "weigh", "weighted_scalar", "reduce_values", "apply_mask",
     "additional_loss", "mean_update", "weighted_sum", "moments", "batch_draw", "random_draw",
     "dropout", "mixing_layer", "batch_contraction", "compiled_loss", "one_value_loss",
-    "global_result", "metrics_result", "generic_metrics_result", "own_logs", "metrics_owner",
-    "metric_classes", "table", "installed", "suspended",
+    "own_call_loss", "global_result", "metrics_result", "generic_metrics_result", "own_logs",
+    "metrics_owner", "metric_classes", "table", "installed", "suspended",
 ]
 
 
@@ -326,6 +328,7 @@ def table(step, call, random_module, draws, logs=None):
         (backend.numpy, "tensordot", batch_contraction, step),
         (base_trainer.CompileLoss, "call", compiled_loss, step),
         *((cls, "call", one_value_loss, step) for cls in loss_classes()),
+        *((cls, "__call__", own_call_loss, step) for cls in loss_calls()),
         *((cls, "result", global_result, call) for cls in metric_classes()),
         (metrics_owner(), "get_metrics_result", metrics_result, logs or call),
     ]

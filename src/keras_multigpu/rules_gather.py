@@ -157,6 +157,35 @@ def loss_classes():
             if not issubclass(cls, base_trainer.CompileLoss)]
 
 
+def loss_calls():
+    """Every Loss class with a `__call__` of its own (keras-io's SupervisedContrastiveLoss),
+    but Keras's `Loss` and the loss a model compiles (`CompileLoss`)."""
+    return [cls for cls in classes_defining(keras.losses.Loss, "__call__")
+            if cls is not keras.losses.Loss and not issubclass(cls, base_trainer.CompileLoss)]
+
+
+def own_call_loss(replica, original, loss, y_true, y_pred, sample_weight=None):
+    """A Loss's own `__call__` (`original`), inside the loss a model compiles. It returns one
+    value for the batch, whatever it reduces: keras-io's supervised contrastive loss
+    compares every row with every other. Every replica computes it on the batch's
+    `y_true`, `y_pred` and sample weights gathered from every replica, as one device does
+    (the rules suspended); the gather's gradient hands each replica its rows' part. Values
+    whose rows are not the batch's are left as they are."""
+    from keras_multigpu.rules import suspended
+
+    parts = (y_true, y_pred, sample_weight)
+    if not getattr(_compiled, "on", False) or not all(
+            _replicas_rows(replica, x) for x in keras.tree.flatten(parts) if x is not None):
+        return original(loss, y_true, y_pred, sample_weight=sample_weight)
+    what = f"all-gather of the batch for {loss.name}"
+    y_true, y_pred, sample_weight = (
+        None if part is None else keras.tree.map_structure(
+            lambda x: None if x is None else gather(replica, x, what), part)
+        for part in parts)
+    with suspended():
+        return original(loss, y_true, y_pred, sample_weight=sample_weight)
+
+
 def compiled_loss(replica, original, compile_loss, *args, **kwargs):
     """The loss a model compiles (`CompileLoss.call`, `original`): the Losses it calls see
     the batch's rows (each output's `y_true` and `y_pred`), which `one_value_loss` may
