@@ -170,20 +170,21 @@ def own_call_loss(replica, original, loss, y_true, y_pred, sample_weight=None):
     compares every row with every other. Every replica computes it on the batch's
     `y_true`, `y_pred` and sample weights gathered from every replica, as one device does
     (the rules suspended); the gather's gradient hands each replica its rows' part. Values
-    whose rows are not the batch's are left as they are."""
+    whose rows are not the batch's are left as they are. (`CompileLoss` passes all three
+    positionally, as this passes them on.)"""
     from keras_multigpu.rules import suspended
 
     parts = (y_true, y_pred, sample_weight)
     if not getattr(_compiled, "on", False) or not all(
             _replicas_rows(replica, x) for x in keras.tree.flatten(parts) if x is not None):
-        return original(loss, y_true, y_pred, sample_weight=sample_weight)
+        return original(loss, y_true, y_pred, sample_weight)
     what = f"all-gather of the batch for {loss.name}"
     y_true, y_pred, sample_weight = (
         None if part is None else keras.tree.map_structure(
             lambda x: None if x is None else gather(replica, x, what), part)
         for part in parts)
     with suspended():
-        return original(loss, y_true, y_pred, sample_weight=sample_weight)
+        return original(loss, y_true, y_pred, sample_weight)
 
 
 def compiled_loss(replica, original, compile_loss, *args, **kwargs):
