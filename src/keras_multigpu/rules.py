@@ -76,6 +76,8 @@ class Replica:
         masked: set by `apply_mask` when it has divided a mean by the valid entries of
             every replica, and read (then cleared) by `reduce_values`.
         results: the metric results read in the step (the batch's already: `own_logs`).
+        reduced: gradients summed across replicas where the step took them (TensorFlow's
+            tape), which the optimizer's apply takes as they are.
     """
 
     k: Any
@@ -87,6 +89,7 @@ class Replica:
     traced: bool = False
     masked: bool = False
     results: list = dataclasses.field(default_factory=list)
+    reduced: list = dataclasses.field(default_factory=list)
 
 
 def weight(replica, dtype="float32"):

@@ -126,10 +126,35 @@ def _reduced(replica, grads):
     return [None if g is None else _unsummable(g, next(reduced)) for g in grads]
 
 
+def _tape_gradient(replica, original, self, target, sources, *args, **kwargs):
+    """`tf.GradientTape.gradient` inside a step. Gradients with respect to variables (a
+    step's loss with respect to its weights) are weighed by k/n and all-reduced at once:
+    one device's gradients, so that a step that clips them to a global norm, or moves its
+    weights along them (SAM), computes what one device does; `_apply` takes them as they
+    are. Gradients with respect to tensors (a gradient penalty's, per row) stay the
+    replica's own."""
+    grads = original(self, target, sources, *args, **kwargs)
+    flat = tf.nest.flatten(sources)
+    if not flat or not all(isinstance(s, (tf.Variable, keras.Variable)) for s in flat):
+        return grads
+    reduced = _reduced(replica, tf.nest.flatten(grads))
+    replica.reduced.extend(g for g in reduced if g is not None)
+    return tf.nest.pack_sequence_as(grads, reduced)
+
+
+def _held(replica, grads):
+    """`grads` as reduced where the step took them (`_tape_gradient`), else reduced now: a
+    step that changed them reduces them again, which leaves one device's gradients as they
+    are (the weights k/n sum to 1)."""
+    if all(g is None or any(g is r for r in replica.reduced) for g in grads):
+        return grads
+    return _reduced(replica, grads)
+
+
 def _apply(replica, original, self, grads, trainable_variables=None):
-    """Weighted all-reduce of the gradients, then the optimizer's own apply."""
+    """Weighted all-reduce of the gradients (`_held`), then the optimizer's own apply."""
     _built(self, trainable_variables)
-    grads = _reduced(replica, grads)
+    grads = _held(replica, grads)
     _replica.reduced = True
     try:
         return original(self, grads, trainable_variables)
@@ -179,7 +204,7 @@ def _loss_scale_apply(replica, original, self, grads, trainable_variables=None):
     checks each replica's unreduced gradients and takes the first replica's verdict.)"""
     _built(self, trainable_variables)
     _once_across(lambda first: self._common_apply(first, trainable_variables),
-                 _reduced(replica, grads))
+                 _held(replica, grads))
 
 
 def _all_reduce_sum(replica, original, self, grads_and_vars):
@@ -290,6 +315,7 @@ def _rules_table():
     # TensorFlow 2.21), which no probe can try without aborting: it is guarded everywhere.
     return [
         *((_keras.backend.nn, name, _any_rows, _step) for name in (*convolutions, "max_pool")),
+        (tf.GradientTape, "gradient", _tape_gradient, _step),
         (tf_optimizer.TFOptimizer, "apply", _apply, _step),
         (keras.optimizers.LossScaleOptimizer, "apply", _loss_scale_apply, _step),
         (tf_optimizer.TFOptimizer, "_all_reduce_sum_gradients", _all_reduce_sum, _step),
