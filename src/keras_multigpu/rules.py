@@ -77,7 +77,8 @@ class Replica:
             every replica, and read (then cleared) by `reduce_values`.
         results: the metric results read in the step (the batch's already: `own_logs`).
         reduced: gradients summed across replicas where the step took them (TensorFlow's
-            tape), which the optimizer's apply takes as they are.
+            tape, a torch backward pass), which the optimizer's apply takes as they are.
+        own_step: whether Keras's own `train_step` runs (torch overlaps its all-reduce).
     """
 
     k: Any
@@ -90,6 +91,7 @@ class Replica:
     masked: bool = False
     results: list = dataclasses.field(default_factory=list)
     reduced: list = dataclasses.field(default_factory=list)
+    own_step: bool = False
 
 
 def weight(replica, dtype="float32"):

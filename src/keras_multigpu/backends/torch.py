@@ -43,7 +43,8 @@ from keras_multigpu._keras.torch import DRAWS, cycle_free_tree, keras_alone_in_e
 from keras_multigpu._keras.torch import image as torch_image
 from keras_multigpu._keras.torch import numpy as torch_numpy
 from keras_multigpu._keras.torch import random as torch_random
-from keras_multigpu.backends import _torch_native, _torch_rows
+from keras_multigpu._keras.torch import trainer as torch_trainer
+from keras_multigpu.backends import _torch_grads, _torch_native, _torch_rows
 from keras_multigpu.backends._marker import tag, untag  # noqa: F401 (the seam's names)
 from keras_multigpu.backends._torch_group import (
     _broadcast,
@@ -289,22 +290,24 @@ def _logs():
 def _apply(replica, original, self, grads, trainable_variables=None):
     """The gradients weighed by k / n (`rules.weigh`) and all-reduced, then the optimizer's
     own apply. The optimizer's first step all-reduces them here, and sets up a `Reducer`
-    whose buckets later steps all-reduce during their backward pass."""
+    whose buckets later steps all-reduce during their backward pass (Keras's own step).
+    A user's step has all-reduced them at its backward pass (`_torch_grads`)."""
     reducers = _installed.reducers
     reducer = reducers.get(id(self))
-    reduced = None if reducer is None else reducer.take(grads, trainable_variables)
-    if reduced is not None:
-        grads = reduced
+    if _torch_grads.held(replica, grads):
+        reduced = grads
     else:
+        reduced = None if reducer is None else reducer.take(grads, trainable_variables)
+    if reduced is None:
         present = [i for i, g in enumerate(grads) if g is not None]
+        reduced = list(grads)
         if present:
             weighed = [rules.weigh(replica, grads[i]) for i in present]
-            summed = _flat_all_reduce(weighed, "all-reduce of the gradients")
-            grads = list(grads)
-            for i, g in zip(present, summed):
-                grads[i] = g
-        if reducer is None and trainable_variables is not None:
+            for i, g in zip(present, _flat_all_reduce(weighed, "all-reduce of the gradients")):
+                reduced[i] = g
+        if reducer is None and trainable_variables is not None and replica.own_step:
             reducers[id(self)] = Reducer(trainable_variables, _collective)
+    grads = reduced
     # The optimizer's own step then runs outside the rules (it may call `apply` again).
     state, _replica.state = _replica.state, None
     try:
@@ -349,6 +352,8 @@ def _rules_table():
         (torch_image, "affine_transform", _torch_rows.no_images, _step),
         (torch.nn.functional, "dropout", _torch_native.dropout, _step),
         (torch.nn.functional, "batch_norm", _torch_native.batch_norm, _step),
+        (torch_trainer.TorchTrainer, "train_step", _torch_grads.keras_step, _step),
+        (torch.autograd, "backward", _torch_grads.backward, _step),
         (keras.optimizers.Optimizer, "apply", _apply, _step),
         # Its own `apply` checks the gradients are finite before the inner optimizer's:
         # on the sums, as one device checks its gradients, so every rank decides alike.

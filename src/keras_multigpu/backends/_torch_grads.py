@@ -1,0 +1,71 @@
+"""A custom step's gradients on torch, as one device's: rules of the torch engine's table
+(`torch._rules_table`), in force inside its steps.
+
+Keras's own `train_step` hands `apply` the parameters' `.grad` right after its backward
+pass, and the engine all-reduces them in DDP's buckets, overlapped with that pass
+(`_torch_reducer`). A step of the user's own may read its gradients between the backward
+pass and `apply`: a clip by a global norm it computes, SAM's perturbation. There every
+backward pass ends with the weighted all-reduce of the gradients it accumulated into
+parameters (in place), so that the step reads one device's; `apply` then takes them as
+they are. Gradients of tensors that are not parameters (a gradient penalty's, per row)
+stay the process's own."""
+
+import torch
+
+from keras_multigpu import rules
+
+
+def keras_step(replica, original, model, data):
+    """Keras's own torch `train_step`: its backward pass is left to the buckets."""
+    replica.own_step = True
+    try:
+        return original(model, data)
+    finally:
+        replica.own_step = False
+
+
+def backward(replica, original, tensors, *args, **kwargs):
+    """`torch.autograd.backward` (which `Tensor.backward` calls) in a user's step: then the
+    gradients it accumulated into parameters are weighed by k / n and all-reduced, in
+    place. A second backward pass adds its process's own part to what is one device's
+    already, and its all-reduce leaves that part as it is (the weights sum to 1)."""
+    if replica.own_step:
+        return original(tensors, *args, **kwargs)
+    params = _parameters(tensors)  # read before the pass, which frees the graph
+    result = original(tensors, *args, **kwargs)
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads:
+        from keras_multigpu.backends import torch as engine  # it imports this module
+
+        with torch.no_grad():
+            summed = engine._flat_all_reduce([rules.weigh(replica, g) for g in grads],
+                                             "all-reduce of the gradients")
+            for g, s in zip(grads, summed):
+                g.copy_(s)
+        replica.reduced.extend(grads)
+    return result
+
+
+def held(replica, grads):
+    """Whether `grads` are all gradients a backward pass of this step all-reduced (a step
+    may have changed them in place since: a scale, a clip)."""
+    return bool(replica.reduced) and all(
+        g is None or any(g is r for r in replica.reduced) for g in grads)
+
+
+def _parameters(tensors):
+    """The parameters the backward pass from `tensors` accumulates into, in the graph's
+    order (the same on every process, which runs the same step)."""
+    roots = tensors if isinstance(tensors, (list, tuple)) else [tensors]
+    stack = [t.grad_fn for t in roots if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen, found = set(), []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.nn.Parameter):
+            found.append(variable)
+        stack.extend(child for child, _ in node.next_functions)
+    return found
