@@ -1,7 +1,7 @@
 """Keras's torch internals the torch engine uses (see `keras_multigpu._keras`).
 
 Patched for a call: `random.{normal, uniform, truncated_normal, randint, dropout}`,
-`numpy.{max, min}`, `image.affine_transform`, `trainer.TorchTrainer.train_step`; where
+`numpy.{max, min}`, `image.affine_transform`; where
 Keras's torch trainer wraps a model in DDP itself (the next Keras), `KERAS_DDP`; and, where
 Keras's torch tree keeps what it flattens in reference cycles (Keras 3.15), torch's
 `torch.utils._pytree.tree_flatten`, which that tree calls (`cycle_free_tree`).
@@ -23,10 +23,9 @@ TABLE = {
     "keras.src.backend.torch.random": (*DRAWS, "dropout", "_get_concrete_noise_shape"),
     "keras.src.backend.torch.numpy": ("max", "min"),
     "keras.src.backend.torch.image": ("affine_transform",),
-    "keras.src.backend.torch.trainer": ("TorchTrainer.train_step",),
 }
 
-random, numpy, image, trainer = load(TABLE, "the torch engine")
+random, numpy, image = load(TABLE, "the torch engine")
 
 # The next Keras's torch trainer wraps the model in DistributedDataParallel as it makes its
 # step functions, wherever torch.distributed is initialized (Keras 3.15 has no such method;

@@ -43,7 +43,6 @@ from keras_multigpu._keras.torch import DRAWS, cycle_free_tree, keras_alone_in_e
 from keras_multigpu._keras.torch import image as torch_image
 from keras_multigpu._keras.torch import numpy as torch_numpy
 from keras_multigpu._keras.torch import random as torch_random
-from keras_multigpu._keras.torch import trainer as torch_trainer
 from keras_multigpu.backends import _torch_grads, _torch_native, _torch_rows
 from keras_multigpu.backends._marker import tag, untag  # noqa: F401 (the seam's names)
 from keras_multigpu.backends._torch_group import (
@@ -352,7 +351,7 @@ def _rules_table():
         (torch_image, "affine_transform", _torch_rows.no_images, _step),
         (torch.nn.functional, "dropout", _torch_native.dropout, _step),
         (torch.nn.functional, "batch_norm", _torch_native.batch_norm, _step),
-        (torch_trainer.TorchTrainer, "train_step", _torch_grads.keras_step, _step),
+        (keras.Model, "train_step", _torch_grads.keras_step, _step),  # Keras's torch step
         (torch.autograd, "backward", _torch_grads.backward, _step),
         (keras.optimizers.Optimizer, "apply", _apply, _step),
         # Its own `apply` checks the gradients are finite before the inner optimizer's:
