@@ -48,7 +48,7 @@ from keras_multigpu.rules_metrics import (
 from keras_multigpu.rules_random import batch_draw, dropout, random_draw
 
 __all__ = [
-    "Replica", "weight", "weigh", "weighted_scalar", "reduce_values", "apply_mask",
+    "Replica", "held", "weight", "weigh", "weighted_scalar", "reduce_values", "apply_mask",
     "additional_loss", "mean_update", "weighted_sum", "moments", "batch_draw", "random_draw",
     "dropout", "mixing_layer", "batch_contraction", "compiled_loss", "one_value_loss",
     "own_call_loss", "global_result", "metrics_result", "generic_metrics_result", "own_logs",
@@ -92,6 +92,13 @@ class Replica:
     results: list = dataclasses.field(default_factory=list)
     reduced: list = dataclasses.field(default_factory=list)
     own_step: bool = False
+
+
+def held(replica, grads):
+    """Whether `grads` are all gradients this step all-reduced where it took them
+    (`Replica.reduced`; a step may have changed them in place since: a scale, a clip)."""
+    reduced = {id(g) for g in replica.reduced}  # the list keeps them alive: ids are theirs
+    return bool(reduced) and all(g is None or id(g) in reduced for g in grads)
 
 
 def weight(replica, dtype="float32"):

@@ -32,6 +32,15 @@ def gather(replica, x, what):
     return keras.ops.cast(weighted_sum(replica, buffer, what), dtype)
 
 
+def gather_all(replica, structure, what):
+    """Every tensor of `structure` (a tensor, a list or dict of them, None where there is
+    none) gathered from every replica (`gather`)."""
+    if structure is None:
+        return None
+    return keras.tree.map_structure(
+        lambda x: None if x is None else gather(replica, x, what), structure)
+
+
 _MARKED = []  # the user's Layer classes marked with `mixes_rows`, in order
 
 
@@ -87,8 +96,7 @@ def mixing_layer(replica, original, layer, data, *args, **kwargs):
     never called on a replica's share of no rows.
     """
     k, start = replica.k, replica.start
-    batch = keras.tree.map_structure(
-        lambda x: gather(replica, x, f"all-gather of the batch for {layer.name}"), data)
+    batch = gather_all(replica, data, f"all-gather of the batch for {layer.name}")
     replica.k, replica.start = replica.n, 0  # the layer's draws are one device's for the batch
     try:
         mixed = original(layer, batch, *args, **kwargs)
@@ -179,10 +187,7 @@ def own_call_loss(replica, original, loss, y_true, y_pred, sample_weight=None):
             _replicas_rows(replica, x) for x in keras.tree.flatten(parts) if x is not None):
         return original(loss, y_true, y_pred, sample_weight)
     what = f"all-gather of the batch for {loss.name}"
-    y_true, y_pred, sample_weight = (
-        None if part is None else keras.tree.map_structure(
-            lambda x: None if x is None else gather(replica, x, what), part)
-        for part in parts)
+    y_true, y_pred, sample_weight = (gather_all(replica, part, what) for part in parts)
     with suspended():
         return original(loss, y_true, y_pred, sample_weight)
 
@@ -247,8 +252,7 @@ def one_value_loss(replica, original, loss, y_true, y_pred):
     if not one_value:
         return values
     what = f"all-gather of the batch for {loss.name}"
-    batch = [keras.tree.map_structure(lambda x: gather(replica, x, what), y)
-             for y in (y_true, y_pred)]
+    batch = [gather_all(replica, y, what) for y in (y_true, y_pred)]
     with suspended():
         return original(loss, *batch)
 

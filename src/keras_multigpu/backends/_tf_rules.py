@@ -143,12 +143,10 @@ def _tape_gradient(replica, original, self, target, sources, *args, **kwargs):
 
 
 def _held(replica, grads):
-    """`grads` as reduced where the step took them (`_tape_gradient`), else reduced now: a
-    step that changed them reduces them again, which leaves one device's gradients as they
-    are (the weights k/n sum to 1)."""
-    if all(g is None or any(g is r for r in replica.reduced) for g in grads):
-        return grads
-    return _reduced(replica, grads)
+    """`grads` as reduced where the step took them (`_tape_gradient`, `rules.held`), else
+    reduced now: a step that changed them reduces them again, which leaves one device's
+    gradients as they are (the weights k/n sum to 1)."""
+    return grads if rules.held(replica, grads) else _reduced(replica, grads)
 
 
 def _apply(replica, original, self, grads, trainable_variables=None):

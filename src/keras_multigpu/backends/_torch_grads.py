@@ -46,13 +46,6 @@ def backward(replica, original, tensors, *args, **kwargs):
     return result
 
 
-def held(replica, grads):
-    """Whether `grads` are all gradients a backward pass of this step all-reduced (a step
-    may have changed them in place since: a scale, a clip)."""
-    return bool(replica.reduced) and all(
-        g is None or any(g is r for r in replica.reduced) for g in grads)
-
-
 def _parameters(tensors):
     """The parameters the backward pass from `tensors` accumulates into, in the graph's
     order (the same on every process, which runs the same step)."""

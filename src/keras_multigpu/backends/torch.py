@@ -293,7 +293,7 @@ def _apply(replica, original, self, grads, trainable_variables=None):
     A user's step has all-reduced them at its backward pass (`_torch_grads`)."""
     reducers = _installed.reducers
     reducer = reducers.get(id(self))
-    if _torch_grads.held(replica, grads):
+    if rules.held(replica, grads):
         reduced = grads
     else:
         reduced = None if reducer is None else reducer.take(grads, trainable_variables)
