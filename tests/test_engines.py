@@ -876,6 +876,94 @@ def test_a_step_that_clips_its_gradients_by_their_norm_equals_one_device(gpus):
     _assert_same(*runs)
 
 
+class TripletDistances(keras.Model):
+    """keras-io's Siamese network with a triplet loss: a model with its own `call` and
+    `train_step`, fed (anchor, positive, negative) tuples (which Keras would unpack into x,
+    y and sample weights to build it), whose loss is one value per row: the step takes the
+    gradient of that vector (`summed=False`), or of its sum (`summed=True`)."""
+
+    def __init__(self, summed):
+        super().__init__()
+        self.summed = summed
+        self.embedding = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4)])
+        self.tracker = keras.metrics.Mean(name="loss")
+
+    def call(self, inputs):
+        anchor, positive, negative = (self.embedding(x) for x in inputs)
+        return (keras.ops.sum(keras.ops.square(anchor - positive), -1),
+                keras.ops.sum(keras.ops.square(anchor - negative), -1))
+
+    @property
+    def metrics(self):
+        return [self.tracker]
+
+    def _loss(self, data):
+        positive, negative = self(data)
+        return keras.ops.maximum(positive - negative + 0.5, 0.0)
+
+    def train_step(self, data):
+        variables = self.embedding.trainable_weights
+        if BACKEND == "torch":
+            self.zero_grad()
+            loss = self._loss(data)
+            if self.summed:
+                keras.ops.sum(loss).backward()
+            else:
+                loss.backward(keras.ops.ones_like(loss))
+            grads = [v.value.grad for v in variables]
+        else:
+            import tensorflow as tf
+
+            with tf.GradientTape() as tape:
+                loss = self._loss(data)
+                target = keras.ops.sum(loss) if self.summed else loss
+            grads = tape.gradient(target, variables)
+        self.optimizer.apply(grads, variables)
+        self.tracker.update_state(loss)
+        return {"loss": self.tracker.result()}
+
+    def test_step(self, data):
+        self.tracker.update_state(self._loss(data))
+        return {"loss": self.tracker.result()}
+
+
+class Triplets(keras.utils.PyDataset):
+    def __init__(self, rows, batch_size):
+        super().__init__()
+        self.arrays = [_data(rows, seed)[0] for seed in range(3)]
+        self.batch_size = batch_size
+
+    def __len__(self):
+        return -(-len(self.arrays[0]) // self.batch_size)
+
+    def __getitem__(self, i):
+        return tuple(a[i * self.batch_size:(i + 1) * self.batch_size] for a in self.arrays)
+
+
+@pytest.mark.skipif(BACKEND == "jax", reason="a TensorFlow and torch step (GradientTape, "
+                    "backward); JAX's stateless step sees the whole batch")
+@pytest.mark.parametrize("summed", [False, True])
+@pytest.mark.parametrize("gpus", [3])
+def test_a_step_whose_loss_sums_its_rows_equals_one_device(gpus, summed):
+    """The gradient of a per-row loss is of its sum over the rows: each replica's part of
+    one device's, not a mean to weigh by k / n (each epoch's loss was 5.3 from one device's
+    on TensorFlow, 32 on torch). On TensorFlow the model builds in its step, as on one
+    device: Keras's guess of its input (the anchors alone) fails to build it. 26 rows in
+    batches of 5 leave two replicas of the last batch without rows."""
+    data, runs = Triplets(26, 5), []
+    for count in (None, gpus):
+        keras.utils.set_random_seed(0)
+        model = TripletDistances(summed)
+        if BACKEND == "torch":  # Keras's torch trainer builds it from the anchors first
+            model(data[0])
+        target = model if count is None else kmg.multi_gpu_model(model, gpus=count)
+        target.compile(optimizer=keras.optimizers.SGD(0.05))
+        history = target.fit(data, epochs=2, verbose=0, shuffle=False)
+        history.history["evaluate"] = [target.evaluate(data, verbose=0)]
+        runs.append((model, target, history.history))
+    _assert_same(*runs)
+
+
 class HalvedGradients(OwnStep):
     """Keras's torch step, with every gradient halved in place between the backward pass
     and `apply` (linear, so one device halves the same sums)."""

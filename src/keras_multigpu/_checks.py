@@ -256,6 +256,20 @@ def _needs_symbolic_build(model):
     )
 
 
+def _step_builds_it(model):
+    """A model with its own `train_step` whose layers, compiled loss and metrics are built,
+    and which has no `build` of its own: what a batch would build is the model alone, which
+    its step calls. Keras's TensorFlow trainer without a strategy builds nothing up front,
+    so such a model trains on one device even where Keras's guess of its inputs (the batch
+    unpacked into x, y and sample weights) is not what its step calls it on: keras-io's
+    Siamese network, fed (anchor, positive, negative) tuples."""
+    return (type(model).train_step is not keras.Model.train_step
+            and type(model).build is keras.Model.build
+            and all(layer.built for layer in model._flatten_layers(include_self=False))
+            and all(part is None or part.built
+                    for part in (model._compile_loss, model._compile_metrics)))
+
+
 def _builds_in_its_step(model):
     """A model with no `call` whose sub-models are built (a GAN whose `train_step` calls its
     generator and discriminator): nothing can build it from a batch, and its step needs

@@ -34,6 +34,7 @@ from keras_multigpu._checks import (
     _needs_symbolic_build,
     _optimizers,
     _rows_not_first,
+    _step_builds_it,
 )
 from keras_multigpu._face import TemplateFace
 
@@ -263,7 +264,12 @@ class ParallelModel(Calls, TemplateFace, keras.Model):
                 and backends.has(self._backend, "batch_spec"):
             data_batch = self._backend.batch_spec(iterator)
         with self._scope():
-            self._symbolic_build(data_batch=data_batch)
+            try:
+                self._symbolic_build(data_batch=data_batch)
+            except Exception:
+                if not _step_builds_it(self.template):
+                    raise
+                self.built = True  # as `_builds_in_its_step`: its step builds the model
 
     # -- compile ---------------------------------------------------------
 

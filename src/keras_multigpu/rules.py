@@ -48,7 +48,7 @@ from keras_multigpu.rules_metrics import (
 from keras_multigpu.rules_random import batch_draw, dropout, random_draw
 
 __all__ = [
-    "Replica", "held", "weight", "weigh", "weighted_scalar", "reduce_values", "apply_mask",
+    "Replica", "held", "weight", "share", "weigh", "weighted_scalar", "reduce_values", "apply_mask",
     "additional_loss", "mean_update", "weighted_sum", "moments", "batch_draw", "random_draw",
     "dropout", "mixing_layer", "batch_contraction", "compiled_loss", "one_value_loss",
     "own_call_loss", "global_result", "metrics_result", "generic_metrics_result", "own_logs",
@@ -107,7 +107,7 @@ def weight(replica, dtype="float32"):
                                    keras.ops.cast(replica.n, dtype))
 
 
-def _share(replica, dtype):
+def share(replica, dtype):
     """n / k: turns this replica's part of a sum into the term the rule weighs."""
     return keras.ops.divide_no_nan(keras.ops.cast(replica.n, dtype),
                                    keras.ops.cast(keras.ops.maximum(replica.k, 1), dtype))
@@ -132,18 +132,18 @@ def reduce_values(replica, original, values, sample_weight=None,
     if reduction is None or reduction == "none" or len(values.shape) == 0:
         return original(values, sample_weight, reduction)
     total = keras.ops.sum(values)
-    share = _share(replica, total.dtype)
+    scale = share(replica, total.dtype)
     masked, replica.masked = replica.masked, False
     if reduction == "sum":
-        return total * share
+        return total * scale
     if reduction == "mean_with_sample_weight" and sample_weight is not None:
         # Every replica joins this all-reduce, with rows or without.
         divisor = replica.all_reduce(
             [keras.ops.cast(keras.ops.sum(sample_weight), total.dtype)],
             "all-reduce of a loss's divisor")[0]
-        return keras.ops.divide_no_nan(total, divisor) * share
+        return keras.ops.divide_no_nan(total, divisor) * scale
     if masked:
-        return total * share
+        return total * scale
     return keras.ops.divide_no_nan(total, keras.ops.cast(keras.ops.size(values), total.dtype))
 
 
@@ -216,7 +216,7 @@ def additional_loss(replica, original, trainer, loss):
     else:
         rows = keras.ops.equal(rows, replica.k)
     return _select(rows, total,
-                   lambda total: total, lambda total: total * _share(replica, total.dtype))
+                   lambda total: total, lambda total: total * share(replica, total.dtype))
 
 
 def _rank(x):
@@ -264,7 +264,7 @@ def weighted_sum(replica, value, what="all-reduce of BatchNormalization's moment
                 (upstream,) = args
             w = weight(replica, upstream.dtype)
             summed = replica.all_reduce([upstream * w], f"{what} (backward)")[0]
-            return keras.ops.where(w > 0, summed * _share(replica, summed.dtype),
+            return keras.ops.where(w > 0, summed * share(replica, summed.dtype),
                                    keras.ops.zeros_like(summed))
 
         return replica.all_reduce([value], what)[0], grad

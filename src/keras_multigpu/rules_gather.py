@@ -135,14 +135,23 @@ def _contracts_rows(replica, x1, x2, axes):
         paired = any(a % ndim1 == 0 and b % ndim2 == 0 for a, b in zip(first, second))
     if not paired:
         return False
-    rows = _replicas_rows(replica, x1) and _replicas_rows(replica, x2)
+    rows = rows_of(replica, x1) and rows_of(replica, x2)
     if replica.traced:
         return rows
-    mine = keras.ops.stack([keras.ops.convert_to_tensor(float(rows))] + [
-        keras.ops.cast(keras.ops.sum(x), "float32") for x in (x1, x2)])
+    return voted(replica, rows, (x1, x2), "all-reduce of ops.tensordot's rows")
+
+
+def voted(replica, rows, tensors, what):
+    """Eager replicas' vote on whether `tensors` hold the batch's rows: every replica has
+    its own k rows there (`rows`, its own finding), and the tensors are not the same on
+    every replica (a weight of k rows is). One small all-reduce, which every replica must
+    join: call it where the question is the same on every one."""
+    mine = keras.ops.stop_gradient(keras.ops.stack(
+        [keras.ops.convert_to_tensor(float(rows))]
+        + [keras.ops.cast(keras.ops.sum(x), "float32") for x in tensors]))
     slot = keras.ops.one_hot(replica.index, replica.replicas, dtype="float32")
-    every = keras.ops.convert_to_numpy(replica.all_reduce(
-        [slot[:, None] * mine[None]], "all-reduce of ops.tensordot's rows")[0])
+    every = keras.ops.convert_to_numpy(replica.all_reduce([slot[:, None] * mine[None]],
+                                                          what)[0])
     return bool(every[:, 0].all() and (every[:, 1:] != every[:1, 1:]).any())
 
 
@@ -184,7 +193,7 @@ def own_call_loss(replica, original, loss, y_true, y_pred, sample_weight=None):
 
     parts = (y_true, y_pred, sample_weight)
     if not getattr(_compiled, "on", False) or not all(
-            _replicas_rows(replica, x) for x in keras.tree.flatten(parts) if x is not None):
+            rows_of(replica, x) for x in keras.tree.flatten(parts) if x is not None):
         return original(loss, y_true, y_pred, sample_weight)
     what = f"all-gather of the batch for {loss.name}"
     y_true, y_pred, sample_weight = (gather_all(replica, part, what) for part in parts)
@@ -236,7 +245,7 @@ def one_value_loss(replica, original, loss, y_true, y_pred):
     values = original(loss, y_true, y_pred)
     # None where a traced rank is unknown: Keras's own case.
     one_value = _rank(values) == 0 and all(
-        _replicas_rows(replica, x) for x in keras.tree.flatten((y_true, y_pred)))
+        rows_of(replica, x) for x in keras.tree.flatten((y_true, y_pred)))
     if not replica.traced:  # the rows are split evenly: k is n // R or n // R + 1
         n, k, replicas = int(replica.n), int(replica.k), replica.replicas
         if n == replicas:
@@ -257,7 +266,7 @@ def one_value_loss(replica, original, loss, y_true, y_pred):
         return original(loss, *batch)
 
 
-def _replicas_rows(replica, x):
+def rows_of(replica, x):
     """Whether `x`'s first dimension may be this replica's rows: equal to k where both are
     known, and unknown in a trace whose batch dimension is dynamic."""
     shape = () if x is None else keras.ops.shape(x)

@@ -20,6 +20,7 @@ from keras_multigpu._keras.tensorflow import DRAWS, device_datasets
 from keras_multigpu._keras.tensorflow import optimizer as tf_optimizer
 from keras_multigpu._keras.tensorflow import random as tf_random
 from keras_multigpu._keras.tensorflow import trainer as tf_trainer
+from keras_multigpu.rules_gather import rows_of
 
 # Inside a replica's step: `state`, its `rules.Replica` (k, n, start as int32 tensors).
 _replica = threading.local()
@@ -137,9 +138,30 @@ def _tape_gradient(replica, original, self, target, sources, *args, **kwargs):
     flat = tf.nest.flatten(sources)
     if not flat or not all(isinstance(s, (tf.Variable, keras.Variable)) for s in flat):
         return grads
-    reduced = _reduced(replica, tf.nest.flatten(grads))
+    flat = tf.nest.flatten(grads)
+    if _sums_rows(replica, target):  # this replica's part of one device's sum, times n / k
+        flat = [None if g is None else _scaled(g, rules.share(replica, g.dtype)) for g in flat]
+    reduced = _reduced(replica, flat)
     replica.reduced.extend(g for g in reduced if g is not None)
     return tf.nest.pack_sequence_as(grads, reduced)
+
+
+def _sums_rows(replica, target):
+    """Whether the gradient of `target` is of a sum over this replica's rows, not a mean:
+    every target holds the rows (a per-row loss, whose gradient is of its sum: keras-io's
+    Siamese network), or sums every axis of a tensor that does (`ops.sum(per_row)`)."""
+    targets = tf.nest.flatten(target)
+    return bool(targets) and all(rows_of(replica, t) or (
+        t.shape.rank == 0 and getattr(getattr(t, "op", None), "type", None) == "Sum"
+        and rows_of(replica, t.op.inputs[0]))
+        for t in targets)
+
+
+def _scaled(gradient, factor):
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(gradient.values * factor, gradient.indices,
+                                gradient.dense_shape)
+    return gradient * factor
 
 
 def _held(replica, grads):

@@ -13,6 +13,7 @@ stay the process's own."""
 import torch
 
 from keras_multigpu import rules
+from keras_multigpu.rules_gather import rows_of, voted
 
 
 def keras_step(replica, original, model, data):
@@ -32,6 +33,8 @@ def backward(replica, original, tensors, *args, **kwargs):
     if replica.own_step:
         return original(tensors, *args, **kwargs)
     params = _parameters(tensors)  # read before the pass, which frees the graph
+    if _sums_rows(replica, tensors):  # this process's part of one device's sum, times n / k
+        tensors = tensors * rules.share(replica, tensors.dtype)
     result = original(tensors, *args, **kwargs)
     grads = [p.grad for p in params if p.grad is not None]
     if grads:
@@ -44,6 +47,23 @@ def backward(replica, original, tensors, *args, **kwargs):
                 g.copy_(s)
         replica.reduced.extend(grads)
     return result
+
+
+def _sums_rows(replica, tensors):
+    """Whether the backward pass is from a sum over this process's rows, not a mean: from
+    a tensor of them (a per-row loss, with `gradient=`), or from a full sum of one
+    (`ops.sum(per_row).backward()`). Every process votes (`rules_gather.voted`)."""
+    if not isinstance(tensors, torch.Tensor) or not tensors.is_floating_point():
+        return False
+    summed = tensors.grad_fn is not None and tensors.grad_fn.name() == "SumBackward0"
+    if tensors.dim() == 0 and not summed:
+        return False  # a mean, or any other scalar: the same question on every process
+    if tensors.dim():
+        rows = rows_of(replica, tensors)
+    else:
+        sizes = tuple(tensors.grad_fn._saved_self_sym_sizes)
+        rows = bool(sizes) and int(sizes[0]) == int(replica.k)
+    return voted(replica, rows, [tensors], "all-reduce of a backward pass's rows")
 
 
 def _parameters(tensors):
