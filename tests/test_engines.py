@@ -964,6 +964,78 @@ def test_a_step_whose_loss_sums_its_rows_equals_one_device(gpus, summed):
     _assert_same(*runs)
 
 
+class Denoiser(keras.Model):
+    """keras-io's denoising diffusion model, in small: its `train_step` draws its noise and
+    diffusion times with no seed (Keras's global seed generator), calls its loss as a
+    function (one value per row), and moves an EMA copy of its network with `assign`."""
+
+    def __init__(self):
+        super().__init__()
+        self.network = keras.Sequential([keras.Input((7,)), keras.layers.Dense(6)])
+        self.ema_network = keras.models.clone_model(self.network)
+        self.tracker = keras.metrics.Mean(name="noise_loss")
+
+    def call(self, x):  # the denoised rows at diffusion time 0
+        return self.ema_network(keras.ops.pad(x, [[0, 0], [0, 1]]))
+
+    @property
+    def metrics(self):
+        return [self.tracker]
+
+    def _noise_loss(self, x, network):
+        rows = keras.ops.shape(x)[0]
+        noises = keras.random.normal((rows, 6))
+        times = keras.random.uniform((rows, 1))
+        noisy = x * keras.ops.cos(times) + noises * keras.ops.sin(times)
+        predicted = network(keras.ops.concatenate([noisy, times], axis=-1))
+        return keras.losses.mean_absolute_error(noises, predicted)
+
+    def train_step(self, data):
+        x = data[0] if isinstance(data, tuple) else data
+        variables = self.network.trainable_weights
+        if BACKEND == "torch":
+            self.zero_grad()
+            loss = self._noise_loss(x, self.network)
+            keras.ops.mean(loss).backward()
+            grads = [v.value.grad for v in variables]
+        else:
+            import tensorflow as tf
+
+            with tf.GradientTape() as tape:
+                loss = self._noise_loss(x, self.network)
+            grads = tape.gradient(loss, variables)
+        self.optimizer.apply(grads, variables)
+        self.tracker.update_state(loss)
+        for weight, ema in zip(self.network.weights, self.ema_network.weights):
+            ema.assign(0.9 * ema + 0.1 * weight)
+        return {"noise_loss": self.tracker.result()}
+
+    def test_step(self, data):
+        self.tracker.update_state(self._noise_loss(data, self.ema_network))
+        return {"noise_loss": self.tracker.result()}
+
+
+@pytest.mark.skipif(BACKEND == "jax", reason="Keras's JAX trainer refuses a draw with no "
+                    "seed in a traced step, on one device too")
+@pytest.mark.parametrize("gpus", [3])
+def test_draws_with_no_seed_in_a_step_equal_one_device(gpus):
+    """On TensorFlow each replica's trace made Keras's global seed generator anew, in a
+    thread of its own ("tf.function only supports singleton tf.Variables created on the
+    first call"); now every replica draws from the main thread's, as one device does, and
+    the EMA weights its step assigns are one device's. 26 rows in batches of 5."""
+    x = _data(26)[0]
+    runs = []
+    for count in (None, gpus):
+        keras.utils.set_random_seed(0)
+        model = Denoiser()
+        target = model if count is None else kmg.multi_gpu_model(model, gpus=count)
+        target.compile(optimizer=keras.optimizers.SGD(0.1))
+        history = target.fit(x, batch_size=5, epochs=2, verbose=0, shuffle=False)
+        history.history["evaluate"] = [target.evaluate(x, batch_size=5, verbose=0)]
+        runs.append((model, target, history.history))
+    _assert_same(*runs)
+
+
 class HalvedGradients(OwnStep):
     """Keras's torch step, with every gradient halved in place between the backward pass
     and `apply` (linear, so one device halves the same sums)."""

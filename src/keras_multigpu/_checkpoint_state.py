@@ -101,7 +101,10 @@ class CheckpointState:
         for i, generator in enumerate(_seed_generators(model.template)):
             arrays[f"seed_{i}"] = _numpy(generator.state)
         global_generator = _global_seed_generator()
-        if global_generator is not None:
+        # Not one the TensorFlow engine made for its replicas that no step has drawn from
+        # (backends/_tf_seeds.py): one device has none.
+        if global_generator is not None and not getattr(
+                global_generator, "_keras_multigpu_unused", False):
             arrays["seed_global"] = _numpy(global_generator.state)
         for i, value in enumerate(metrics or ()):
             arrays[f"metric_{i}"] = value

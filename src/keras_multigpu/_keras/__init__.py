@@ -97,7 +97,7 @@ COMMON = {
                               "scale_loss_for_distribution", "unscale_loss_for_distribution",
                               "squeeze_or_expand_to_same_rank"),
     "keras.src.random.seed_generator": ("SeedGenerator", "draw_seed",
-                                        "global_seed_generator"),
+                                        "global_seed_generator", "make_default_seed"),
     "keras.src.trainers.trainer": ("Trainer._aggregate_additional_loss", "CompileLoss"),
     # The data adapters' package, whose own imports bring its modules.
     "keras.src.trainers.data_adapters": (

@@ -15,11 +15,12 @@ import tensorflow as tf
 from keras import tree
 
 from keras_multigpu import _keras, rules
-from keras_multigpu._keras import loss_module
+from keras_multigpu._keras import loss_module, seed_generator
 from keras_multigpu._keras.tensorflow import DRAWS, device_datasets
 from keras_multigpu._keras.tensorflow import optimizer as tf_optimizer
 from keras_multigpu._keras.tensorflow import random as tf_random
 from keras_multigpu._keras.tensorflow import trainer as tf_trainer
+from keras_multigpu.backends import _tf_seeds
 from keras_multigpu.rules_gather import rows_of
 
 # Inside a replica's step: `state`, its `rules.Replica` (k, n, start as int32 tensors).
@@ -345,6 +346,7 @@ def _rules_table():
         (keras.layers.Layer, "add_loss", _add_loss, _step),
         (keras.layers.Layer, "_get_own_losses", _own_losses, _step),
         (keras.layers.Layer, "_clear_losses", _clear_losses, _step),
+        (seed_generator, "global_seed_generator", _tf_seeds.global_generator, _step),
         *rules.table(_step, _step, tf_random, DRAWS),
     ]
 

@@ -50,7 +50,7 @@ import tensorflow as tf
 from keras import tree
 
 from keras_multigpu import rules
-from keras_multigpu.backends import _tf_rules, _tf_workers
+from keras_multigpu.backends import _tf_rules, _tf_seeds, _tf_workers
 from keras_multigpu.backends._tf_batches import _counts, _replica_id, _tagged, _unwrap
 from keras_multigpu.backends._tf_batches import tag as tag  # the seam's (backends.API)
 from keras_multigpu.backends._tf_batches import untag as untag
@@ -243,6 +243,7 @@ def replicate(variables, distribution, optimizers=()):
     strategy = distribution.strategy
     if _is_default(strategy):
         return  # one device, no strategy: the variables train as they are
+    variables = [*variables, _tf_seeds.generator().state]  # seed=None draws (_tf_seeds)
     swapped = False
     owned = {id(v) for optimizer in optimizers for v in optimizer.variables}
     for variable in variables:
@@ -299,6 +300,8 @@ def release(variables, distribution, optimizers=(), failed=False):
     strategy = distribution.strategy
     if _is_default(strategy):
         return
+    variables = [*variables, _tf_seeds.generator().state]
+    _tf_seeds.forget_unused()
     for variable in variables:
         value = variable._value
         if not isinstance(value, tf.distribute.DistributedValues):

@@ -1,0 +1,52 @@
+"""Keras's global seed generator inside TensorFlow's replicas: the draws of
+`keras.random.normal(shape)` with no seed (keras-io's denoising diffusion model draws its
+noise so in its `train_step`), as one device draws them.
+
+Keras keeps that generator per thread (`global_state`), and tf.distribute traces each
+replica in a thread of its own: each replica would make one inside the trace, a variable
+TensorFlow refuses after the first. Here the main thread's generator exists before a call
+replicates its variables (`generator`), and its state is replicated with them, a copy per
+replica as a layer's seed state is, which every replica moves on alike. A replica asking
+for the global generator gets that one (`global_generator`, a rule of the engine's table).
+"""
+
+import random
+
+from keras_multigpu._keras import global_state, seed_generator
+
+_NAME = "global_seed_generator"
+_shared = []  # the main thread's generator, for the call
+
+
+def generator():
+    """The main thread's global generator, made now if Keras has made none, with Python's
+    `random` left as it was: one device takes its seed from it when its step first draws."""
+    made = global_state.get_global_attribute(_NAME)
+    if made is None:
+        state = random.getstate()
+        made = seed_generator.global_seed_generator()
+        random.setstate(state)
+        made._keras_multigpu_unused = True
+    _shared[:] = [made]
+    return made
+
+
+def global_generator(replica, original):
+    """`global_seed_generator()` in a replica's step: the main thread's. Its first use
+    takes the number from Python's `random` that one device takes there, making it."""
+    if not _shared:
+        return original()
+    made = _shared[0]
+    if getattr(made, "_keras_multigpu_unused", False):
+        seed_generator.make_default_seed()
+        made._keras_multigpu_unused = False
+    return made
+
+
+def forget_unused():
+    """After a call: a generator `generator` made and no step drew from is dropped, so
+    that the main thread has none, as on one device."""
+    made = _shared.pop() if _shared else None
+    if getattr(made, "_keras_multigpu_unused", False) \
+            and global_state.get_global_attribute(_NAME) is made:
+        global_state.set_global_attribute(_NAME, None)
