@@ -342,6 +342,34 @@ def test_a_contraction_over_the_batch_equals_one_device(gpus):
     _assert_same(*runs)
 
 
+class _OrthogonalRegularizer(keras.regularizers.Regularizer):
+    """keras-io's PointNet's activity regularizer: `tensordot(x, x, axes=(2, 2))` pairs
+    every row of the batch with every other, and the sum goes over all the pairs."""
+
+    def __call__(self, x):
+        x = keras.ops.reshape(x, (-1, 2, 2))
+        pairs = keras.ops.reshape(keras.ops.tensordot(x, x, axes=(2, 2)), (-1, 2, 2))
+        return keras.ops.sum(0.01 * keras.ops.square(pairs - keras.ops.eye(2)[None]))
+
+
+@pytest.mark.parametrize("gpus", [3])
+def test_a_tensordot_that_pairs_the_batchs_rows_equals_one_device(gpus):
+    """Each replica pairs its rows with the gathered batch's. It paired only its own: in
+    keras-io's PointNet, 47 rows in batches of 10 on 3 devices, each epoch's loss was 0.11
+    from one device's on TensorFlow and torch (here the accuracy differed, by 3 and 1 rows
+    of 26). 26 rows in batches of 5: replicas of 1 and 2 rows and, at the end, of none."""
+
+    def build():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([
+            keras.Input((6,)),
+            keras.layers.Dense(4, activity_regularizer=_OrthogonalRegularizer()),
+            keras.layers.Dense(3, activation="softmax")])
+
+    runs = [_train(count, 26, 5, build=build, shuffle=True) for count in (None, gpus)]
+    _assert_same(*runs)
+
+
 def _torch_module_model():
     """torch's own layers in a Keras model, as Keras's `TorchModuleWrapper` documents them:
     a BatchNorm2d, whose statistics are the batch's, and a Dropout, whose mask torch draws

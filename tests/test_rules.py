@@ -667,12 +667,39 @@ def test_a_contractions_gradient_reaches_each_replicas_rows(split):
     np.testing.assert_allclose(weighed, one, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("split", SPLITS, ids=str)
+def test_a_tensordot_that_pairs_the_rows_keeps_each_replicas(split):
+    """keras-io's PointNet sums `ops.tensordot(x, x, axes=(2, 2))` over every pair of the
+    batch's rows (an activity regularizer, which Keras divides by the rows): each replica
+    pairs its own rows with every replica's, so its result is one device's rows of its own,
+    and its gradient, weighed by k / n, is one device's."""
+    n = sum(split)
+    x = np.random.default_rng(12).normal(size=(n, 2, 2)).astype("float32")
+    tensordot, axes = _tensordot(), ([2], [2])
+    one = _numpy(tensordot(x, x, axes=axes))
+    parts = _Replicas(split).run(lambda replica, rows: rules.batch_contraction(
+        replica, tensordot, *[keras.ops.convert_to_tensor(x[rows])] * 2, axes=axes))
+    for (k, start), part in zip(zip(split, _starts(split)), parts):
+        assert _numpy(part).shape == (k, 2, n, 2)
+        np.testing.assert_allclose(_numpy(part), one[start:start + k], rtol=1e-5, atol=1e-6)
+
+    def regularizer(pairs, rows):
+        return keras.ops.sum(keras.ops.square(pairs)) / max(rows, 1)
+
+    one = _input_gradient(lambda a: regularizer(tensordot(a, a, axes=axes), n), x)
+    parts = _Replicas(split).run(lambda replica, rows: _input_gradient(
+        lambda a: regularizer(rules.batch_contraction(replica, tensordot, a, a, axes=axes),
+                              len(x[rows])), x[rows]))
+    weighed = np.concatenate([(k / n) * part for k, part in zip(split, parts)])
+    np.testing.assert_allclose(weighed, one, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("split", [(2, 2), (2, 1), (2, 0)], ids=str)
 @pytest.mark.parametrize("axes", [2, ([1], [1])], ids=str)
 def test_a_weight_contracted_with_itself_is_not_gathered(split, axes):
     """A weight of as many rows as a replica's share (a Frobenius norm, `tensordot(w, w,
-    2)`) is the same on every replica: each computes it alone, as one device does, and so
-    does a contraction that leaves the rows (`axes=([1], [1])`)."""
+    2)`, or its rows' products, `axes=([1], [1])`) is the same on every replica: each
+    computes it alone, as one device does."""
     w = np.random.default_rng(11).normal(size=(2, 3)).astype("float32")
     tensordot = _tensordot()
     one = _numpy(tensordot(w, w, axes=axes))
@@ -682,7 +709,7 @@ def test_a_weight_contracted_with_itself_is_not_gathered(split, axes):
         axes=axes))
     for part in parts:
         np.testing.assert_allclose(_numpy(part), one, rtol=1e-6)
-    assert replicas.calls == [1 if axes == 2 else 0] * len(split)  # the vote, or none
+    assert replicas.calls == [1] * len(split)  # the vote, and no gather
 
 
 def test_a_draw_not_shaped_by_the_rows_is_the_replicas_own():

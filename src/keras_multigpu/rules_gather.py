@@ -1,6 +1,7 @@
 """The exactness rules that need the whole batch, written once in `keras.ops` (see `rules`):
 a layer that mixes rows across the batch, a loss that returns one value for the batch, and
-a `tensordot` that sums over the batch axis, run on the batch gathered from every replica."""
+a `tensordot` that sums over the batch axis or pairs its rows, run on the batch gathered
+from every replica."""
 
 import contextlib
 import threading
@@ -107,38 +108,61 @@ def mixing_layer(replica, original, layer, data, *args, **kwargs):
 
 
 def batch_contraction(replica, original, x1, x2, axes=2):
-    """The backend's `tensordot` (`original`, which `ops.tensordot` calls) where it sums
-    over the batch axis of both operands: keras-io's collaborative filtering contracts
-    `axes=2` of two (rows, d) embeddings, one value for the batch that every row's
-    prediction adds. Each replica computes it on the batch gathered from every replica, as
-    one device does (the gather's gradient hands each replica its rows' part); any other
-    contraction is Keras's own."""
-    if not _contracts_rows(replica, x1, x2, axes):
+    """The backend's `tensordot` (`original`, which `ops.tensordot` calls) on two operands
+    of the batch's rows that it mixes.
+
+    Where it sums over the batch axis of both (keras-io's collaborative filtering contracts
+    `axes=2` of two (rows, d) embeddings: one value for the batch, which every row's
+    prediction adds), each replica contracts the batch gathered from every replica, as one
+    device does. Where it contracts neither (keras-io's PointNet: an activity regularizer's
+    `tensordot(x, x, axes=(2, 2))`, summed over every pair of the batch's rows), each
+    replica pairs its own rows with the gathered batch's: its rows stay first, and its sum
+    is its rows' part of one device's. The gather's gradient hands each replica its rows'
+    part. Any other contraction is Keras's own."""
+    mixed = _mixes_rows(replica, x1, x2, axes)
+    if not mixed:
         return original(x1, x2, axes=axes)
     what = "all-gather of the batch for ops.tensordot"
-    return original(gather(replica, x1, what), gather(replica, x2, what), axes=axes)
+    if mixed == "paired":
+        x1 = gather(replica, x1, what)
+    return original(x1, gather(replica, x2, what), axes=axes)
 
 
-def _contracts_rows(replica, x1, x2, axes):
-    """Whether `tensordot` pairs axis 0 of `x1` with axis 0 of `x2`, and both hold this
-    replica's rows. A traced step's rows are its dynamic first dimension. Eager replicas
-    join a vote (the axes, so the call to vote, are the same on every one): the rows are
-    the batch's where every replica sees its own k rows there, and the operands are not
-    the same on every replica (a weight of k rows contracted with itself is)."""
+def rows_of(replica, x):
+    """Whether `x`'s first dimension may be this replica's rows: equal to k where both are
+    known, and unknown in a trace whose batch dimension is dynamic."""
+    shape = () if x is None else keras.ops.shape(x)
+    if not shape:
+        return False
+    rows = shape[0]
+    if replica.traced:
+        return not isinstance(rows, int)  # a static first dimension is not this step's rows
+    return int(rows) == int(replica.k)
+
+
+def _mixes_rows(replica, x1, x2, axes):
+    """"paired" where `tensordot` pairs axis 0 of `x1` with axis 0 of `x2`, "pairs" where
+    it contracts neither (its result holds every pair of their rows), and both hold this
+    replica's rows; else False. A traced step's rows are its dynamic first dimension.
+    Eager replicas join a vote (the axes, so the call to vote, are the same on every one):
+    the rows are the batch's where every replica sees its own k rows there, and each
+    operand is not the same on every replica (a weight of k rows is)."""
     ndim1, ndim2 = len(keras.ops.shape(x1)), len(keras.ops.shape(x2))
     if not (ndim1 and ndim2):
         return False
-    if isinstance(axes, int):
-        paired = axes == ndim1  # x1's last `axes` axes with x2's first: 0 with 0
+    if isinstance(axes, int):  # x1's last `axes` axes with x2's first
+        first, second = list(range(ndim1 - axes, ndim1)), list(range(axes))
     else:
         first, second = ([a] if isinstance(a, int) else list(a) for a in axes)
-        paired = any(a % ndim1 == 0 and b % ndim2 == 0 for a, b in zip(first, second))
-    if not paired:
+    first, second = [a % ndim1 for a in first], [b % ndim2 for b in second]
+    paired = any(a == 0 and b == 0 for a, b in zip(first, second))
+    if not (paired or (0 not in first and 0 not in second)):
         return False
     rows = rows_of(replica, x1) and rows_of(replica, x2)
-    if replica.traced:
-        return rows
-    return voted(replica, rows, (x1, x2), "all-reduce of ops.tensordot's rows")
+    if not (rows if replica.traced else voted(replica, rows, (x1, x2),
+                                              "all-reduce of ops.tensordot's rows")):
+        return False
+    return "paired" if paired else "pairs"
 
 
 def voted(replica, rows, tensors, what):
@@ -152,7 +176,7 @@ def voted(replica, rows, tensors, what):
     slot = keras.ops.one_hot(replica.index, replica.replicas, dtype="float32")
     every = keras.ops.convert_to_numpy(replica.all_reduce([slot[:, None] * mine[None]],
                                                           what)[0])
-    return bool(every[:, 0].all() and (every[:, 1:] != every[:1, 1:]).any())
+    return bool(every[:, 0].all() and (every[:, 1:] != every[:1, 1:]).any(axis=0).all())
 
 
 def classes_defining(base, name):
@@ -264,15 +288,3 @@ def one_value_loss(replica, original, loss, y_true, y_pred):
     batch = [gather_all(replica, y, what) for y in (y_true, y_pred)]
     with suspended():
         return original(loss, *batch)
-
-
-def rows_of(replica, x):
-    """Whether `x`'s first dimension may be this replica's rows: equal to k where both are
-    known, and unknown in a trace whose batch dimension is dynamic."""
-    shape = () if x is None else keras.ops.shape(x)
-    if not shape:
-        return False
-    rows = shape[0]
-    if replica.traced:
-        return not isinstance(rows, int)  # a static first dimension is not this step's rows
-    return int(rows) == int(replica.k)
