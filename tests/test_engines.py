@@ -1064,6 +1064,50 @@ def test_draws_with_no_seed_in_a_step_equal_one_device(gpus):
     _assert_same(*runs)
 
 
+class _DrawsAtEpochEnd(keras.callbacks.Callback):
+    """A callback that draws with no seed, eagerly, between epochs (keras-io's diffusion
+    model plots images generated from such noise)."""
+
+    def __init__(self):
+        super().__init__()
+        self.drawn = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.drawn.append(keras.ops.convert_to_numpy(keras.random.normal((3,))))
+
+
+@pytest.mark.parametrize("draws", [False, True])
+@pytest.mark.parametrize("gpus", [3])
+def test_the_global_seed_generator_is_made_as_on_one_device(gpus, draws):
+    """Keras makes its global seed generator at a draw with no seed, taking its seed from
+    Python's `random`. The TensorFlow engine makes the main thread's before the call, for
+    its replicas, with Python's `random` left as it was; the first draw (here a callback's,
+    in the main thread) takes that number then, as one device does, and a call that never
+    draws leaves no generator. Either way the draws, and Python's `random` after `fit`,
+    are one device's."""
+    import random
+
+    from keras_multigpu._keras import global_state
+
+    results = []
+    for count in (None, gpus):
+        keras.utils.set_random_seed(0)
+        global_state.set_global_attribute("global_seed_generator", None)
+        model = _dense_model()
+        target = model if count is None else kmg.multi_gpu_model(model, gpus=count)
+        _compile(target)
+        callback = _DrawsAtEpochEnd()
+        x, y = _data(26)
+        target.fit(x, y, batch_size=5, epochs=2, verbose=0,
+                   callbacks=[callback] if draws else [])
+        made = global_state.get_global_attribute("global_seed_generator")
+        results.append((callback.drawn, made is None, random.random()))
+    (drawn, none, after), (ref_drawn, ref_none, ref_after) = results
+    assert none == ref_none == (not draws)
+    assert after == ref_after
+    np.testing.assert_array_equal(np.asarray(drawn), np.asarray(ref_drawn))
+
+
 class HalvedGradients(OwnStep):
     """Keras's torch step, with every gradient halved in place between the backward pass
     and `apply` (linear, so one device halves the same sums)."""

@@ -346,7 +346,8 @@ def _rules_table():
         (keras.layers.Layer, "add_loss", _add_loss, _step),
         (keras.layers.Layer, "_get_own_losses", _own_losses, _step),
         (keras.layers.Layer, "_clear_losses", _clear_losses, _step),
-        (seed_generator, "global_seed_generator", _tf_seeds.global_generator, _step),
+        (seed_generator, "global_seed_generator", _tf_seeds.global_generator,
+         _tf_seeds.shared),
         *rules.table(_step, _step, tf_random, DRAWS),
     ]
 
