@@ -234,6 +234,8 @@ def _random_model():
         _PairNoise(),
         keras.layers.GaussianNoise(0.1),
         keras.layers.Reshape((4, 4)),
+        keras.layers.Conv1D(4, 3, strides=2, padding="same"),  # on torch a permuted view
+        keras.layers.Dropout(0.2),
         keras.layers.SpatialDropout1D(0.25),
         keras.layers.Flatten(),
         keras.layers.Dense(3, activation="softmax"),
@@ -245,9 +247,12 @@ def _random_model():
 def test_random_layers_draw_what_one_device_draws(gpus, rows, batch_size):
     """Dropout, SpatialDropout, GaussianNoise, an own `keras.random.normal` and a draw for
     twice the rows: each row gets the numbers it gets on one device, whichever device it
-    lands on. Batches that every count splits evenly (96, 24) go unpadded; the next Keras's
-    TensorFlow trainer traces its first step with their rows fixed, and a draw of that many
-    rows was taken for a fixed-shape one (each replica drew the first rows' numbers)."""
+    lands on. On torch a strided Conv1D's output is a permuted view, whose dropout mask
+    torch draws in its memory order (each row's was another's: weights 5e-3 apart in a
+    Conv1D autoencoder, 47 rows in batches of 10 on 3 devices). Batches that every count
+    splits evenly (96, 24) go unpadded; the next Keras's TensorFlow trainer traces its
+    first step with their rows fixed, and a draw of that many rows was taken for a
+    fixed-shape one (each replica drew the first rows' numbers)."""
     runs = [_train(count, rows, batch_size, build=_random_model, shuffle=True)
             for count in (None, gpus)]
     _assert_same(*runs)

@@ -94,6 +94,10 @@ def dropout(replica, original, inputs, rate, noise_shape=None, seed=None):
     draws from the seed then), times the inputs."""
     if isinstance(rate, (int, float)) and rate in (0.0, 1.0):
         return original(inputs, rate, noise_shape, seed)
+    if keras.backend.backend() == "torch" and noise_shape is None and not _seeded(seed):
+        # Keras's torch dropout draws no seed: the framework's own dropout, which the
+        # engine's rule draws for the batch (in the memory layout of `inputs`).
+        return original(inputs, rate, noise_shape, seed)
     dims = list(keras.ops.shape(inputs))
     if replica.traced:  # the inputs' first dimension is the step's rows, even if known
         dims[0] = keras.ops.convert_to_tensor(dims[0], "int32")

@@ -18,9 +18,26 @@ def dropout(replica, original, input, p=0.5, training=True, inplace=False):
     n, k, start = int(replica.n), int(replica.k), int(replica.start)
     if not training or not 0 < p < 1 or input.ndim == 0 or input.shape[0] != k or n == k:
         return original(input, p, training, inplace)
-    ones = torch.ones((n, *input.shape[1:]), dtype=input.dtype, device=input.device)
-    noise = original(ones, p, True, False)[start:start + k]  # the mask, scaled
+    noise = original(_ones(input, n), p, True, False)[start:start + k]  # the mask, scaled
     return input.mul_(noise) if inplace else input * noise
+
+
+def _ones(input, n):
+    """Ones for n rows, laid out in memory as `input` is where it is dense: torch draws a
+    dropout mask in the memory order of its input (a mask like it, `empty_like`), and a
+    strided convolution's output is a permuted view (Keras's torch `Conv1D(strides=2)`
+    hands one laid out as (rows, channels, steps)). The rows stay outermost."""
+    shape = (n, *input.shape[1:])
+    order = [0] + sorted(range(1, input.ndim), key=lambda d: -input.stride(d))
+    permuted = [input.shape[d] for d in order]
+    dense = [1] * input.ndim
+    for i in range(input.ndim - 2, -1, -1):
+        dense[i] = dense[i + 1] * permuted[i + 1]
+    if any(input.shape[d] > 1 and input.stride(d) != dense[i]
+           for i, d in enumerate(order) if d):
+        order = list(range(input.ndim))  # not dense: torch's mask is contiguous
+    ones = torch.ones([shape[d] for d in order], dtype=input.dtype, device=input.device)
+    return ones.permute([order.index(d) for d in range(input.ndim)])
 
 
 class _Axes:
