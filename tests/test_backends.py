@@ -128,3 +128,32 @@ def test_a_flag_the_jaxlib_lacks_is_never_added(monkeypatch):
     monkeypatch.setattr(_xla, "CPU_COLLECTIVE_TIMEOUTS", ("--xla_no_such_flag_in_any_jaxlib",))
     assert not _xla.knows("--xla_no_such_flag_in_any_jaxlib")
     assert "no_such_flag" not in _xla.virtual_device_flags(2, "")
+
+
+@pytest.mark.parametrize("k", [2, 1, 0])
+@pytest.mark.parametrize("layout", ["contiguous", "permuted", "rows_inner", "sliced"])
+def test_torch_dropout_draws_the_batchs_mask_in_its_inputs_layout(layout, k):
+    """torch draws a dropout mask in the memory order of its input (a strided Conv1D's
+    output in Keras is a permuted view): a process's ones for the batch's n rows, laid out
+    as its k rows are, draw one device's mask for the batch, whose rows [start, start + k)
+    are the process's."""
+    import torch
+
+    from keras_multigpu.backends._torch_native import _ones
+
+    def made(rows):  # the same op on `rows` rows, as on every process and one device
+        base = torch.arange(1.0, 1 + rows * 24).reshape(-1, 4, 6)
+        if layout == "permuted":
+            return base.permute(0, 2, 1)
+        if layout == "rows_inner":
+            return base.reshape(4, rows, 6).permute(1, 0, 2)
+        if layout == "sliced":
+            return base[:, :, ::2]
+        return base
+
+    n, start = 5, 1
+    torch.manual_seed(0)
+    one = torch.nn.functional.dropout(made(n), 0.5) / made(n)  # one device's mask
+    torch.manual_seed(0)
+    mine = torch.nn.functional.dropout(_ones(made(k), n), 0.5)[start:start + k]
+    torch.testing.assert_close(mine, one[start:start + k])

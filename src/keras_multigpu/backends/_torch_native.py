@@ -26,15 +26,16 @@ def _ones(input, n):
     """Ones for n rows, laid out in memory as `input` is where it is dense: torch draws a
     dropout mask in the memory order of its input (a mask like it, `empty_like`), and a
     strided convolution's output is a permuted view (Keras's torch `Conv1D(strides=2)`
-    hands one laid out as (rows, channels, steps)). The rows stay outermost."""
+    hands one laid out as (rows, channels, steps)). The order is by stride, where a dim of
+    one element (rows of one, or none) shares its stride with the dim just outside it."""
     shape = (n, *input.shape[1:])
-    order = [0] + sorted(range(1, input.ndim), key=lambda d: -input.stride(d))
+    order = sorted(range(input.ndim),
+                   key=lambda d: (-input.stride(d), -input.shape[d], d))
     permuted = [input.shape[d] for d in order]
     dense = [1] * input.ndim
     for i in range(input.ndim - 2, -1, -1):
         dense[i] = dense[i + 1] * permuted[i + 1]
-    if any(input.shape[d] > 1 and input.stride(d) != dense[i]
-           for i, d in enumerate(order) if d):
+    if any(input.shape[d] > 1 and input.stride(d) != dense[i] for i, d in enumerate(order)):
         order = list(range(input.ndim))  # not dense: torch's mask is contiguous
     ones = torch.ones([shape[d] for d in order], dtype=input.dtype, device=input.device)
     return ones.permute([order.index(d) for d in range(input.ndim)])
