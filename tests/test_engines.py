@@ -983,18 +983,30 @@ def test_a_step_whose_loss_sums_its_rows_equals_one_device(gpus, summed):
     on TensorFlow, 32 on torch). On TensorFlow the model builds in its step, as on one
     device: Keras's guess of its input (the anchors alone) fails to build it. 26 rows in
     batches of 5 leave two replicas of the last batch without rows."""
-    data, runs = Triplets(26, 5), []
-    for count in (None, gpus):
-        keras.utils.set_random_seed(0)
+    data = Triplets(26, 5)
+
+    def make():
         model = TripletDistances(summed)
         if BACKEND == "torch":  # Keras's torch trainer builds it from the anchors first
             model(data[0])
+        return model
+
+    _assert_same(*_own_step_runs(gpus, make, 0.05, data))
+
+
+def _own_step_runs(gpus, make, learning_rate, x, **batching):
+    """One device's run and `gpus` devices' of a model with its own steps (`make()`), each
+    compiled with SGD alone, fit for two epochs unshuffled, then evaluated."""
+    runs = []
+    for count in (None, gpus):
+        keras.utils.set_random_seed(0)
+        model = make()
         target = model if count is None else kmg.multi_gpu_model(model, gpus=count)
-        target.compile(optimizer=keras.optimizers.SGD(0.05))
-        history = target.fit(data, epochs=2, verbose=0, shuffle=False)
-        history.history["evaluate"] = [target.evaluate(data, verbose=0)]
-        runs.append((model, target, history.history))
-    _assert_same(*runs)
+        target.compile(optimizer=keras.optimizers.SGD(learning_rate))
+        history = target.fit(x, epochs=2, verbose=0, shuffle=False, **batching).history
+        history["evaluate"] = [target.evaluate(x, verbose=0, **batching)]
+        runs.append((model, target, history))
+    return runs
 
 
 class Denoiser(keras.Model):
@@ -1056,17 +1068,7 @@ def test_draws_with_no_seed_in_a_step_equal_one_device(gpus):
     thread of its own ("tf.function only supports singleton tf.Variables created on the
     first call"); now every replica draws from the main thread's, as one device does, and
     the EMA weights its step assigns are one device's. 26 rows in batches of 5."""
-    x = _data(26)[0]
-    runs = []
-    for count in (None, gpus):
-        keras.utils.set_random_seed(0)
-        model = Denoiser()
-        target = model if count is None else kmg.multi_gpu_model(model, gpus=count)
-        target.compile(optimizer=keras.optimizers.SGD(0.1))
-        history = target.fit(x, batch_size=5, epochs=2, verbose=0, shuffle=False)
-        history.history["evaluate"] = [target.evaluate(x, batch_size=5, verbose=0)]
-        runs.append((model, target, history.history))
-    _assert_same(*runs)
+    _assert_same(*_own_step_runs(gpus, Denoiser, 0.1, _data(26)[0], batch_size=5))
 
 
 class _DrawsAtEpochEnd(keras.callbacks.Callback):
