@@ -61,7 +61,7 @@ def _sums_rows(replica, tensors):
     if tensors.dim():
         rows = rows_of(replica, tensors)
     else:
-        sizes = tuple(tensors.grad_fn._saved_self_sym_sizes)
+        sizes = tuple(getattr(tensors.grad_fn, "_saved_self_sym_sizes", ()))
         rows = bool(sizes) and int(sizes[0]) == int(replica.k)
     return voted(replica, rows, [tensors], "all-reduce of a backward pass's rows")
 
