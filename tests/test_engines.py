@@ -752,13 +752,13 @@ def test_a_step_is_handed_x_alone_as_on_one_device(gpus, source):
     np.testing.assert_allclose(predictions, ref_predictions, rtol=RTOL, atol=ATOL)
 
 
-class OwnStep(keras.Model):
-    """A model whose own train_step computes a plain mean loss, written for any backend."""
+class _DenseWithTracker(keras.Model):
+    """One Dense layer and a loss tracker named `tracker`: the base of the steps below."""
 
-    def __init__(self):
+    def __init__(self, tracker):
         super().__init__()
         self.body = keras.layers.Dense(3)
-        self.tracker = keras.metrics.Mean(name="own_loss")
+        self.tracker = keras.metrics.Mean(name=tracker)
 
     def call(self, x):
         return self.body(x)
@@ -766,6 +766,13 @@ class OwnStep(keras.Model):
     @property
     def metrics(self):
         return [self.tracker]
+
+
+class OwnStep(_DenseWithTracker):
+    """A model whose own train_step computes a plain mean loss, written for any backend."""
+
+    def __init__(self):
+        super().__init__("own_loss")
 
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
         return keras.ops.mean(keras.ops.square(y_pred - keras.ops.one_hot(y, 3)))
@@ -853,21 +860,12 @@ def _seeded(build):
     return build()
 
 
-class ClippedByItsNorm(keras.Model):
+class ClippedByItsNorm(_DenseWithTracker):
     """A step that clips its gradients to a global norm it computes itself, before
     `optimizer.apply` (as SAM moves its weights along them): not linear in them."""
 
     def __init__(self):
-        super().__init__()
-        self.body = keras.layers.Dense(3)
-        self.tracker = keras.metrics.Mean(name="loss")
-
-    def call(self, x):
-        return self.body(x)
-
-    @property
-    def metrics(self):
-        return [self.tracker]
+        super().__init__("loss")
 
     def train_step(self, data):
         x, y = data

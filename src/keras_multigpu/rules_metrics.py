@@ -74,10 +74,10 @@ def own_logs(replica, logs):
            and keras.backend.standardize_dtype(value.dtype).startswith(("float", "bfloat"))}
     if not own:
         return logs
-    w = keras.ops.divide_no_nan(keras.ops.cast(replica.k, "float32"),
-                                keras.ops.cast(replica.n, "float32"))
-    weighed = [keras.ops.where(w > 0, keras.ops.cast(keras.ops.stop_gradient(v), "float32") * w,
-                               0.0) for v in own.values()]
+    from keras_multigpu.rules import weigh  # `rules` imports this module
+
+    weighed = [weigh(replica, keras.ops.cast(keras.ops.stop_gradient(v), "float32"))
+               for v in own.values()]
     summed = replica.all_reduce(weighed, "all-reduce of the logs the step returned")
     return {**logs, **{key: keras.ops.cast(value, own[key].dtype)
                        for key, value in zip(own, summed)}}

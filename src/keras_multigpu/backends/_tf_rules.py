@@ -136,8 +136,8 @@ def _tape_gradient(replica, original, self, target, sources, *args, **kwargs):
     are. Gradients with respect to tensors (a gradient penalty's, per row) stay the
     replica's own."""
     grads = original(self, target, sources, *args, **kwargs)
-    flat = tf.nest.flatten(sources)
-    if not flat or not all(isinstance(s, (tf.Variable, keras.Variable)) for s in flat):
+    variables = tf.nest.flatten(sources)
+    if not variables or not all(isinstance(s, (tf.Variable, keras.Variable)) for s in variables):
         return grads
     flat = tf.nest.flatten(grads)
     if _sums_rows(replica, target):  # this replica's part of one device's sum, times n / k

@@ -51,9 +51,10 @@ def global_generator(made, original):
 
 
 def forget_unused():
-    """After a call: a generator `generator` made and no step drew from is dropped, so
-    that the main thread has none, as on one device."""
+    """After a call: the call's generator, which is dropped where `generator` made it and
+    nothing drew from it, so that the main thread has none, as on one device."""
     made = _shared.pop() if _shared else None
     if getattr(made, "_keras_multigpu_unused", False) \
             and global_state.get_global_attribute(_NAME) is made:
         global_state.set_global_attribute(_NAME, None)
+    return made

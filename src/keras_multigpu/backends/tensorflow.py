@@ -300,8 +300,8 @@ def release(variables, distribution, optimizers=(), failed=False):
     strategy = distribution.strategy
     if _is_default(strategy):
         return
-    variables = [*variables, _tf_seeds.generator().state]
-    _tf_seeds.forget_unused()
+    made = _tf_seeds.forget_unused()  # the call's global seed generator, put back too
+    variables = [*variables, *([] if made is None else [made.state])]
     for variable in variables:
         value = variable._value
         if not isinstance(value, tf.distribute.DistributedValues):
