@@ -374,6 +374,53 @@ def test_a_scalar_mean_tracker_holds_one_devices_mean(split):
     np.testing.assert_allclose(total / count, per_row.mean(), rtol=1e-6)
 
 
+def _masked_accuracy(label, pred):
+    """The TensorFlow transformer tutorial's metric: a ratio of sums over the batch."""
+    pred = keras.ops.argmax(pred, axis=2)
+    label = keras.ops.cast(label, pred.dtype)
+    mask = label != 0
+    match = keras.ops.cast((label == pred) & mask, "float32")
+    return keras.ops.sum(match) / keras.ops.sum(keras.ops.cast(mask, "float32"))
+
+
+def _squeezed_error(label, pred):
+    """One value per row, squeezed to one value where there is one row."""
+    wrong = keras.ops.not_equal(keras.ops.argmax(pred, axis=2), label)
+    return keras.ops.squeeze(keras.ops.mean(keras.ops.cast(wrong, "float32"), axis=-1))
+
+
+@pytest.mark.parametrize("split", SPLITS + [(1, 1, 0), (2, 1, 1)], ids=str)
+@pytest.mark.parametrize("fn", [_masked_accuracy, _squeezed_error], ids=lambda fn: fn.__name__)
+def test_a_metric_function_of_one_value_for_the_batch_is_one_devices(split, fn):
+    """A metric made from a function (`metrics=[fn]`): where it returns one value for the
+    batch, every replica adds the value of the gathered batch, weighed by k / n, so that
+    the replicas' summed state holds one device's mean over batches. Each replica would
+    otherwise add its own ratio (0 / 0 without rows). A per-row function (squeezed to one
+    value on a replica of one row, too) is left to `mean_update`."""
+    n = sum(split)
+    rng = np.random.default_rng(4)
+    batches = [(rng.integers(0, 4, (n, 5)), rng.normal(size=(n, 5, 4)).astype("float32"))
+               for _ in range(2)]
+    one = keras.metrics.MeanMetricWrapper(fn)
+    for label, pred in batches:
+        one.update_state(label, pred)
+    replicas = _Replicas(split)
+    metrics = [keras.metrics.MeanMetricWrapper(fn) for _ in split]
+    with rules.installed([
+            (keras.metrics.Mean, "update_state", rules.mean_update, replicas.guard),
+            (keras.metrics.MeanMetricWrapper, "update_state", rules.wrapped_update,
+             replicas.guard)]):
+        def update(replica, rows):
+            for label, pred in batches:
+                metrics[replicas.index()].update_state(label[rows], pred[rows])
+
+        replicas.run(update)
+    assert len(set(replicas.calls)) == 1  # the same collectives on every replica
+    total = sum(_numpy(m.variables[0]) for m in metrics)
+    count = sum(_numpy(m.variables[1]) for m in metrics)
+    np.testing.assert_allclose(total / count, _numpy(one.result()), rtol=1e-6)
+
+
 @pytest.mark.parametrize("split", SPLITS, ids=str)
 @pytest.mark.parametrize("metric", ["accuracy", "auc", "precision", "mae"])
 def test_a_metric_result_read_by_a_replica_is_one_devices(split, metric):

@@ -44,6 +44,8 @@ from keras_multigpu.rules_metrics import (
     metrics_owner,
     metrics_result,
     own_logs,
+    wrapped_update,
+    wrapped_value,
 )
 from keras_multigpu.rules_random import batch_draw, dropout, random_draw
 
@@ -52,6 +54,7 @@ __all__ = [
     "additional_loss", "mean_update", "weighted_sum", "moments", "batch_draw", "random_draw",
     "dropout", "mixing_layer", "batch_contraction", "compiled_loss", "one_value_loss",
     "own_call_loss", "global_result", "metrics_result", "generic_metrics_result", "own_logs",
+    "wrapped_update",
     "metrics_owner", "metric_classes", "table", "installed", "suspended",
 ]
 
@@ -238,8 +241,15 @@ def _select(condition, value, otherwise, then=lambda value: value):
 
 def mean_update(replica, original, metric, values, sample_weight=None):
     """Keras's `Mean.update_state` (`original`): a scalar without a weight (a custom step's
-    loss tracker, a per-output loss) is this replica's mean, weighed by k / n."""
+    loss tracker, a per-output loss) is this replica's mean, weighed by k / n. A compiled
+    metric function's one value for the batch is added by `wrapped_update` instead, and
+    its value of a replica's one row counts one row."""
     values = keras.ops.convert_to_tensor(values)
+    wrapped = wrapped_value(replica, metric, values, sample_weight)
+    if wrapped == "batch":
+        return None
+    if wrapped == "rows":  # a row's value, not a mean, where a replica has one row
+        return original(metric, values, sample_weight=sample_weight)
     if len(values.shape) == 0:
         w = weight(replica, values.dtype)
         values = keras.ops.where(w > 0, values, keras.ops.zeros_like(values))
@@ -333,6 +343,7 @@ def table(step, call, random_module, draws, logs=None):
         (loss_module, "apply_mask", apply_mask, step),
         (base_trainer.Trainer, "_aggregate_additional_loss", additional_loss, step),
         (keras.metrics.Mean, "update_state", mean_update, step),
+        (keras.metrics.MeanMetricWrapper, "update_state", wrapped_update, step),
         (keras.layers.BatchNormalization, "_moments", moments, step),
         *((random_module, name, random_draw, step) for name in draws),
         (random_module, "dropout", dropout, step),

@@ -253,38 +253,46 @@ def one_value_loss(replica, original, loss, y_true, y_pred):
     sums over the whole batch, which no weighing of the replicas' values gives. Every
     replica computes the same value from the gathered `y_true` and `y_pred`, as one device
     does (the rules suspended: a Loss it calls sees the whole batch); the gather's gradient
-    hands each replica its rows' part of it.
-
-    A traced step knows the value's rank, the same on every replica. An eager one (torch)
-    sees a replica of one row squeeze a per-row loss to one value (`ops.squeeze`): where
-    the batch leaves some replica fewer than two rows, every replica joins one all-reduce
-    where those of two rows or more, and those of none (a per-row loss has a row
-    dimension of 0 there), decide. Where every replica has one row, the loss keeps what
-    its earlier batches decided (the same on every replica), else it is left as it is.
+    hands each replica its rows' part of it. Which losses return one value: `one_value`.
     """
-    from keras_multigpu.rules import _rank, suspended
+    from keras_multigpu.rules import suspended
 
     if not getattr(_compiled, "on", False):
         return original(loss, y_true, y_pred)
     values = original(loss, y_true, y_pred)
-    # None where a traced rank is unknown: Keras's own case.
-    one_value = _rank(values) == 0 and all(
-        rows_of(replica, x) for x in keras.tree.flatten((y_true, y_pred)))
-    if not replica.traced:  # the rows are split evenly: k is n // R or n // R + 1
-        n, k, replicas = int(replica.n), int(replica.k), replica.replicas
-        if n == replicas:
-            one_value = getattr(loss, "_keras_multigpu_one_value", False)
-        else:
-            if n < 2 * replicas:
-                voter = k >= 2 or k == 0
-                votes = replica.all_reduce(
-                    [keras.ops.convert_to_tensor(float(one_value and voter))],
-                    f"all-reduce of {loss.name}'s rank")[0]
-                one_value = bool(keras.ops.convert_to_numpy(votes) > 0)
-            loss._keras_multigpu_one_value = one_value
-    if not one_value:
+    if not one_value(replica, loss, values, (y_true, y_pred)):
         return values
     what = f"all-gather of the batch for {loss.name}"
     batch = [gather_all(replica, y, what) for y in (y_true, y_pred)]
     with suspended():
         return original(loss, *batch)
+
+
+def one_value(replica, holder, values, parts):
+    """Whether `values`, which `holder` (a Loss, a metric) computed from `parts` (its
+    `y_true` and `y_pred`), is one value for the batch, not one per row: every replica
+    answers alike, and every replica must ask.
+
+    A traced step knows the value's rank, the same on every replica. An eager one (torch)
+    sees a replica of one row squeeze a per-row value to one (`ops.squeeze`): where the
+    batch leaves some replica fewer than two rows, every replica joins one all-reduce
+    where those of two rows or more, and those of none (a per-row value has a row
+    dimension of 0 there), decide. Where every replica has one row, `holder` keeps what
+    its earlier batches decided (the same on every replica), else it is left as it is.
+    """
+    from keras_multigpu.rules import _rank
+
+    # None where a traced rank is unknown: Keras's own case.
+    found = _rank(values) == 0 and all(rows_of(replica, x) for x in keras.tree.flatten(parts))
+    if replica.traced:
+        return found
+    n, k, replicas = int(replica.n), int(replica.k), replica.replicas  # k: n // R or one more
+    if n == replicas:
+        return getattr(holder, "_keras_multigpu_one_value", False)
+    if n < 2 * replicas:
+        voter = k >= 2 or k == 0
+        votes = replica.all_reduce([keras.ops.convert_to_tensor(float(found and voter))],
+                                   f"all-reduce of {holder.name}'s rank")[0]
+        found = bool(keras.ops.convert_to_numpy(votes) > 0)
+    holder._keras_multigpu_one_value = found
+    return found

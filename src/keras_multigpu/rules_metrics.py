@@ -3,11 +3,16 @@
 (or averaged) with one all-reduce, so that every replica's logs and callbacks see one
 device's figures."""
 
+import threading
+
 import keras
 
 from keras_multigpu import _keras
 from keras_multigpu._keras import base_trainer
-from keras_multigpu.rules_gather import classes_defining
+from keras_multigpu.rules_gather import classes_defining, gather_all, one_value
+
+# The `MeanMetricWrapper` whose update is under way in this thread (`wrapped_update`).
+_updating = threading.local()
 
 
 def _global_state(replica, variables, what="all-reduce of the metrics"):
@@ -58,6 +63,46 @@ def metrics_result(replica, original, trainer):
             logs = generic_metrics_result(trainer)
     replica.results.extend(keras.tree.flatten(logs))
     return logs
+
+
+def wrapped_update(replica, original, metric, y_true, y_pred, sample_weight=None):
+    """`MeanMetricWrapper.update_state` (`original`), the metric a function makes (a
+    compiled `metrics=[fn]`): where the function returns one value for the batch, not one
+    per row (the TensorFlow tutorials' masked accuracy, a ratio of sums over the batch),
+    that value is computed again on the `y_true` and `y_pred` gathered from every replica,
+    as one device computes it (the rules suspended), and weighed by k / n: the replicas'
+    updates add one device's value once. Keras's `Mean` would average the replicas' own
+    values (a replica of no rows: 0 / 0). `wrapped_value` decides, where the update reaches
+    `Mean.update_state`; any other update is Keras's own."""
+    from keras_multigpu.rules import suspended, weight
+
+    if sample_weight is not None:
+        return original(metric, y_true, y_pred, sample_weight)
+    before = getattr(_updating, "call", None)
+    _updating.call = call = {"metric": metric, "parts": (y_true, y_pred), "one": False}
+    try:
+        result = original(metric, y_true, y_pred, sample_weight)
+    finally:
+        _updating.call = before
+    if not call["one"]:
+        return result
+    what = f"all-gather of the batch for {metric.name}"
+    batch = [gather_all(replica, y, what) for y in (y_true, y_pred)]
+    with suspended():
+        return original(metric, *batch, sample_weight=weight(replica, metric.dtype))
+
+
+def wrapped_value(replica, metric, values, sample_weight):
+    """What `Mean.update_state(values)` holds where `wrapped_update`'s metric calls it:
+    "batch" (one value for the batch, which `wrapped_update` then adds instead), "rows"
+    (a value per row, squeezed to one on a replica of one row too: Keras's own update,
+    which counts its rows) or None (not such a call). Every replica asks alike."""
+    call = getattr(_updating, "call", None)
+    if call is None or call["metric"] is not metric or sample_weight is not None:
+        return None
+    _updating.call = None  # asked once per update
+    call["one"] = one_value(replica, metric, values, call["parts"])
+    return "batch" if call["one"] else "rows"
 
 
 def own_logs(replica, logs):

@@ -70,8 +70,9 @@ _MISSING = object()
 # scale/unscale_loss_for_distribution}, Trainer._aggregate_additional_loss,
 # Trainer.get_metrics_result (or the backend trainer's own, where it has one: the next
 # Keras's torch trainer), Layer.{add_loss, _get_own_losses, _clear_losses},
-# Mean.update_state, BatchNormalization._moments, Optimizer.apply, LossScaleOptimizer.apply
-# (TensorFlow; it calls _common_apply), {MixUp, CutMix, RandomElasticTransform,
+# Mean.update_state, MeanMetricWrapper.update_state, BatchNormalization._moments,
+# Optimizer.apply, LossScaleOptimizer.apply (TensorFlow; it calls _common_apply),
+# {MixUp, CutMix, RandomElasticTransform,
 # RandomGaussianBlur}.call, each Metric's result, each Loss's call but CompileLoss's,
 # backend.numpy.tensordot (a contraction over the batch axis); on
 # TensorFlow, where its CPU convolutions misshape an empty batch,
@@ -84,7 +85,7 @@ _MISSING = object()
 PUBLIC = {
     "keras.layers": ("Layer.add_loss", "Layer._get_own_losses", "Layer._clear_losses",
                      "BatchNormalization._moments"),
-    "keras.metrics": ("Metric.result", "Mean.update_state"),
+    "keras.metrics": ("Metric.result", "Mean.update_state", "MeanMetricWrapper.update_state"),
     "keras.optimizers": ("Optimizer.apply", "LossScaleOptimizer._common_apply"),
     "keras.saving": ("save_model", "save_weights"),
 }
