@@ -258,6 +258,36 @@ def test_random_layers_draw_what_one_device_draws(gpus, rows, batch_size):
     _assert_same(*runs)
 
 
+@pytest.mark.skipif(BACKEND == "torch", reason="torch's jit_compile is torch.compile, which "
+                    "draws torch's numbers as eager steps do: no XLA draws to match")
+@pytest.mark.parametrize("gpus", [1, 3])
+def test_a_model_compiled_for_xla_draws_what_one_device_draws(gpus):
+    """`jit_compile=True` (Keras's choice for "auto" on a machine with a GPU): one device
+    runs its step as one XLA program, whose draws are not TensorFlow's kernels' from the
+    same seed. TensorFlow's replica steps run without XLA, and make each draw with XLA
+    (they drew the kernels' numbers: weights 0.24 from one device's, 29 rows in batches of
+    10 on 3 devices); one device without a strategy compiles as asked."""
+    rng = np.random.default_rng(9)
+    data = (rng.uniform(size=(29, 6)).astype("float32"), rng.integers(0, 3, 29))
+
+    def build():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([
+            keras.Input((6,)), keras.layers.GaussianNoise(0.1, seed=4),
+            keras.layers.Dense(8, activation="relu"), keras.layers.Dropout(0.3, seed=5),
+            keras.layers.Reshape((2, 4, 1)), keras.layers.RandomFlip(seed=2),
+            keras.layers.Flatten(), keras.layers.Dense(3, activation="softmax")])
+
+    def compile(model):
+        model.compile(optimizer=keras.optimizers.SGD(0.1),
+                      loss="sparse_categorical_crossentropy", jit_compile=True)
+
+    runs = [_train(count, 29, 10, build=build, compile=compile, data=data, shuffle=True)
+            for count in (None, gpus)]
+    assert runs[0][0].jit_compile
+    _assert_same(*runs)
+
+
 @kmg.mixes_rows
 class _MinibatchStd(keras.layers.Layer):
     """A user's layer over the batch (a GAN discriminator's minibatch standard deviation),

@@ -314,8 +314,9 @@ class ParallelModel(Calls, TemplateFace, keras.Model):
             super().compile(
                 optimizer=template.optimizer,
                 steps_per_execution=steps,
-                jit_compile=template.jit_compile if backends.has(self._backend, "jit")
-                else False,
+                jit_compile=template.jit_compile if backends.has(self._backend, "jit") else (
+                    backends.has(self._backend, "xla_draws")
+                    and self._backend.jit_compile(self._distribution, template.jit_compile)),
                 run_eagerly=template.run_eagerly,
             )
         if backends.has(self._backend, "recompile"):

@@ -9,7 +9,7 @@ import keras
 from keras_multigpu._keras import seed_generator
 
 
-class _Drawn(seed_generator.SeedGenerator):
+class Drawn(seed_generator.SeedGenerator):
     """A seed already drawn, handed to Keras's draw functions as a generator would be:
     every branch of a traced draw then uses one draw, so the layer's generator moves on
     once per call, as on one device."""
@@ -54,13 +54,13 @@ def batch_draw(replica, draw, shape, seed):
         # A replica with no rows draws one block, as many numbers as a draw shaped by the
         # batch (the common case) takes from the generators the others draw from.
         blocks = rows // k if k else 1
-        drawn = draw([blocks * n, *shape[1:]], _Drawn(seed_generator.draw_seed(seed))
+        drawn = draw([blocks * n, *shape[1:]], Drawn(seed_generator.draw_seed(seed))
                      if _seeded(seed) else seed)
         if blocks == 1:
             return drawn[start:start + k]
         return keras.ops.concatenate([drawn[b * n + start:b * n + start + k]
                                       for b in range(blocks)])
-    seed = _Drawn(seed_generator.draw_seed(seed))
+    seed = Drawn(seed_generator.draw_seed(seed))
     rows = keras.ops.cast(shape[0], "int32")
     blocks = keras.ops.floor_divide(rows, keras.ops.maximum(k, 1))
 

@@ -42,6 +42,10 @@ would (the `check` test in tests/test_backends.py holds every engine to this):
   it they are not (TensorFlow: replicas see batches of varying size, and Keras
   turns XLA off under tf.distribute; torch: the rules are Python, which
   `torch.compile` would trace away).
+- "xla_draws": `jit_compile(distribution, wanted)`, the `jit_compile` the engine's steps
+  take for a model that asks for `wanted` (one device's choice), where "jit" is missing:
+  TensorFlow's replica steps run without XLA and make Keras's draws inside them with XLA
+  where `wanted`, as one device's XLA step draws them; without either, no XLA (torch).
 - "release": `release(variables, distribution, optimizers=(), failed=False)`
   leaves the variables usable by the model alone at the end of a call
   (`failed`: ended by an exception); without it they serve it as they are
@@ -122,6 +126,7 @@ CAPABILITY_NAMES = {
     "cpu_devices": ("configure_cpu_devices",),
     "check_model": ("check_model",),
     "jit": (),
+    "xla_draws": ("jit_compile",),
     "release": ("release",),
     "recompile": ("recompiled",),
     "resident": ("resident",),

@@ -20,7 +20,7 @@ from keras_multigpu._keras.tensorflow import DRAWS, device_datasets
 from keras_multigpu._keras.tensorflow import optimizer as tf_optimizer
 from keras_multigpu._keras.tensorflow import random as tf_random
 from keras_multigpu._keras.tensorflow import trainer as tf_trainer
-from keras_multigpu.backends import _tf_seeds
+from keras_multigpu.backends import _tf_seeds, _tf_xla
 from keras_multigpu.rules_gather import rows_of
 
 # Inside a replica's step: `state`, its `rules.Replica` (k, n, start as int32 tensors).
@@ -348,7 +348,8 @@ def _rules_table():
         (keras.layers.Layer, "_clear_losses", _clear_losses, _step),
         (seed_generator, "global_seed_generator", _tf_seeds.global_generator,
          _tf_seeds.shared),
-        *rules.table(_step, _step, tf_random, DRAWS),
+        *((owner, name, _tf_xla.by_xla(rule) if owner is tf_random else rule, guard)
+          for owner, name, rule, guard in rules.table(_step, _step, tf_random, DRAWS)),
     ]
 
 

@@ -50,10 +50,11 @@ import tensorflow as tf
 from keras import tree
 
 from keras_multigpu import rules
-from keras_multigpu.backends import _tf_rules, _tf_seeds, _tf_workers
+from keras_multigpu.backends import _tf_rules, _tf_seeds, _tf_workers, _tf_xla
 from keras_multigpu.backends._tf_batches import _counts, _replica_id, _tagged, _unwrap
 from keras_multigpu.backends._tf_batches import tag as tag  # the seam's (backends.API)
 from keras_multigpu.backends._tf_batches import untag as untag
+from keras_multigpu.backends._tf_xla import jit_compile as jit_compile  # (xla_draws)
 from keras_multigpu.devices import (
     CPU_DEVICES_ENV,
     Device,
@@ -63,7 +64,7 @@ from keras_multigpu.devices import (
 
 # What this engine does beyond the seam's common names (see `keras_multigpu.backends`).
 CAPABILITIES = frozenset({"cpu_devices", "check_model", "release", "batch_spec", "recompile",
-                          "text"})
+                          "text", "xla_draws"})
 
 
 def configure_cpu_devices(count):
@@ -190,7 +191,8 @@ def check_model(model):
 @contextlib.contextmanager
 def scope(distribution):
     """The strategy's scope, with the exactness rules of this module in force."""
-    with distribution.strategy.scope(), _tf_rules.installed(_workers):
+    with distribution.strategy.scope(), _tf_rules.installed(_workers), _tf_xla.drawing(
+            distribution):
         yield
 
 
