@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import keras
 import numpy as np
@@ -174,6 +175,36 @@ def test_a_subclassed_templates_clone_says_how_to_clone_it():
     parallel = kmg.multi_gpu_model(model, gpus=1)
     with pytest.raises(TypeError, match=r"keras.models.clone_model\(parallel.template\)"):
         keras.models.clone_model(parallel)
+
+
+@pytest.mark.ranks(1)
+def test_an_export_replaces_the_earlier_one_whole_or_not_at_all(dense_model, tmp_path,
+                                                                  monkeypatch):
+    """An export is written beside its path and renamed in: one that fails halfway leaves
+    the earlier export as it was, one that succeeds replaces it whole, and a temporary
+    folder that a killed export left is removed by the next."""
+    parallel, _, _ = trained_parallel(dense_model, gpus=1)
+    path = tmp_path / "served"
+
+    def export(filepath, fail=False, **kwargs):  # stands for a SavedModel's writer
+        os.makedirs(filepath)
+        (Path(filepath) / "saved_model.pb").write_text("new")
+        if fail:
+            raise OSError("No space left on device")
+
+    monkeypatch.setattr(parallel.template, "export", export)
+    parallel.export(path)
+    (path / "stale.txt").write_text("from an older export")
+    leftover = tmp_path / ".served.tmp-999999999-killed"
+    leftover.mkdir()
+    (path / "saved_model.pb").write_text("old")
+    with pytest.raises(OSError, match="No space"):
+        parallel.export(path, fail=True)
+    assert (path / "saved_model.pb").read_text() == "old"
+    parallel.export(path)
+    assert sorted(p.name for p in path.iterdir()) == ["saved_model.pb"]
+    assert (path / "saved_model.pb").read_text() == "new"
+    assert [p.name for p in tmp_path.iterdir()] == ["served"]
 
 
 def test_export_writes_the_template_once(dense_model, tmp_path):

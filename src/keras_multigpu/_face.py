@@ -8,7 +8,7 @@ import zipfile
 import keras
 
 from keras_multigpu import processes
-from keras_multigpu._io import atomic_path, check_suffix, unreadable
+from keras_multigpu._io import atomic_export, atomic_path, check_suffix, unreadable
 from keras_multigpu._keras import io_utils
 
 
@@ -51,15 +51,18 @@ class TemplateFace:
             raise unreadable(os.fspath(filepath), error) from error
 
     def export(self, filepath, *args, **kwargs):
-        """Exports the template (Keras's `Model.export`: a SavedModel, ONNX, ...); with
-        several processes, the first writes it and every process returns once it has."""
+        """Exports the template (Keras's `Model.export`: a SavedModel, ONNX, ...), whole or
+        not at all (`atomic_export`); with several processes, the first writes it and every
+        process returns once it has."""
         backend = self._backend
         if backend.process_count() == 1:
-            return self.template.export(filepath, *args, **kwargs)
+            with atomic_export(filepath) as staged:
+                return self.template.export(staged, *args, **kwargs)
         failed = None
         if backend.process_index() == 0:
             try:
-                self.template.export(filepath, *args, **kwargs)
+                with atomic_export(filepath) as staged:
+                    self.template.export(staged, *args, **kwargs)
             except Exception as error:
                 failed = error
         said = processes.all_gather_object(

@@ -11,6 +11,7 @@ import errno
 import glob
 import json
 import os
+import shutil
 import tempfile
 
 
@@ -47,7 +48,10 @@ def remove_leftovers(filepath, suffix=""):
         owner = os.path.basename(path)[len(_temporary_prefix(filepath)):].split("-", 1)[0]
         if owner.isdigit() and int(owner) != os.getpid() and not _alive(int(owner)):
             with contextlib.suppress(FileNotFoundError):
-                os.remove(path)
+                if os.path.isdir(path):
+                    shutil.rmtree(path)
+                else:
+                    os.remove(path)
                 removed.append(path)
     return removed
 
@@ -112,6 +116,35 @@ def atomic_path(filepath, suffix=""):
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+@contextlib.contextmanager
+def atomic_export(filepath):
+    """Yields a path named as `filepath` in a temporary folder beside it; on success, moves
+    what was written there (a SavedModel's folder, an ONNX file, OpenVINO's .xml and .bin)
+    next to `filepath`, each whole: a folder of the same name is renamed aside, then the new
+    one renamed in, so that a reader or a kill never meets a half-written export. A failure
+    leaves everything as it was; a temporary folder a kill left is removed by the next
+    export to the same path."""
+    filepath = os.path.abspath(os.fspath(filepath))
+    directory = os.path.dirname(filepath)
+    prefix = f"{_temporary_prefix(filepath)}{os.getpid()}-"
+    os.makedirs(directory, exist_ok=True)
+    remove_leftovers(filepath)
+    staging = tempfile.mkdtemp(prefix=prefix, dir=directory)
+    try:
+        yield os.path.join(staging, os.path.basename(filepath))
+        for name in os.listdir(staging):
+            written, target = os.path.join(staging, name), os.path.join(directory, name)
+            if os.path.isdir(written) and os.path.isdir(target):
+                aside = tempfile.mkdtemp(prefix=prefix, dir=directory)
+                os.replace(target, aside)  # onto the empty folder: both names stay whole
+                os.replace(written, target)
+                shutil.rmtree(aside, ignore_errors=True)
+            else:
+                os.replace(written, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def writable_folder(folder, what, advice):
