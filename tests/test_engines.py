@@ -1060,6 +1060,72 @@ def test_a_step_whose_loss_sums_its_rows_equals_one_device(gpus, summed):
     _assert_same(*_own_step_runs(gpus, make, 0.05, data))
 
 
+class MaskedCaptioner(keras.Model):
+    """keras-io's image captioning, in small: its TensorFlow `train_step` takes the loss as
+    a masked mean written by hand, a ratio of two sums over the batch (the tokens that are
+    not padding), and so its accuracy; a loss tracker holds the first, the step returns
+    the second as it is (with `divide_no_nan`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = keras.layers.Embedding(12, 8)
+        self.head = keras.layers.Dense(12)
+        self.tracker = keras.metrics.Mean(name="loss")
+
+    def call(self, tokens):
+        return self.head(self.embedding(tokens))
+
+    @property
+    def metrics(self):
+        return [self.tracker]
+
+    def train_step(self, data):
+        import tensorflow as tf
+
+        tokens, labels = data
+        mask = keras.ops.cast(labels != 0, "float32")
+        with tf.GradientTape() as tape:
+            predicted = self(tokens, training=True)
+            loss = keras.losses.sparse_categorical_crossentropy(labels, predicted,
+                                                               from_logits=True)
+            loss = keras.ops.sum(loss * mask) / keras.ops.sum(mask)
+        variables = self.trainable_variables
+        self.optimizer.apply(tape.gradient(loss, variables), variables)
+        self.tracker.update_state(loss)
+        hits = keras.ops.cast(keras.ops.equal(keras.ops.argmax(predicted, axis=-1),
+                                              keras.ops.cast(labels, "int32")), "float32")
+        return {"loss": self.tracker.result(),
+                "acc": tf.math.divide_no_nan(keras.ops.sum(hits * mask), keras.ops.sum(mask))}
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="its step is written with a "
+                    "tf.GradientTape; torch's graph does not tell a sum of the mask from a "
+                    "constant (docs/engines.md#known-gaps)")
+@pytest.mark.parametrize("batch_size", [10, 5])
+def test_a_step_whose_loss_is_a_ratio_of_sums_equals_one_device(batch_size):
+    """A masked mean written by hand is the batch's ratio of sums, not each replica's
+    ratio weighed by its rows: its gradient is weighed by each replica's share of the
+    denominator, and its value, tracked or returned, is the batch's (weights were 0.05
+    from one device's, 47 rows in batches of 10 on 3 devices). Batches of 5 leave a
+    replica of the last batch (2 rows) without rows."""
+    rng = np.random.default_rng(10)
+    tokens = rng.integers(1, 12, (47, 6))
+    for row, length in enumerate(rng.integers(1, 7, 47)):
+        tokens[row, length:] = 0  # padding
+    labels = np.where(tokens > 0, np.maximum((tokens * 3) % 12, 1), 0)
+    runs = []
+    for count in (None, 3):
+        keras.utils.set_random_seed(0)
+        model = MaskedCaptioner()
+        model(tokens[:1])
+        target = model if count is None else kmg.multi_gpu_model(model, gpus=count)
+        target.compile(optimizer=keras.optimizers.SGD(0.5))
+        history = target.fit(tokens, labels, batch_size=batch_size, epochs=2, verbose=0,
+                             shuffle=False).history
+        runs.append((model, target, history))
+    _assert_same(*runs)
+
+
 def _own_step_runs(gpus, make, learning_rate, x, **batching):
     """One device's run and `gpus` devices' of a model with its own steps (`make()`), each
     compiled with SGD alone, fit for two epochs unshuffled, then evaluated."""

@@ -20,8 +20,7 @@ from keras_multigpu._keras.tensorflow import DRAWS, device_datasets
 from keras_multigpu._keras.tensorflow import optimizer as tf_optimizer
 from keras_multigpu._keras.tensorflow import random as tf_random
 from keras_multigpu._keras.tensorflow import trainer as tf_trainer
-from keras_multigpu.backends import _tf_seeds, _tf_xla
-from keras_multigpu.rules_gather import rows_of
+from keras_multigpu.backends import _tf_grads, _tf_seeds, _tf_xla
 
 # Inside a replica's step: `state`, its `rules.Replica` (k, n, start as int32 tensors).
 _replica = threading.local()
@@ -128,45 +127,8 @@ def _reduced(replica, grads):
     return [None if g is None else _unsummable(g, next(reduced)) for g in grads]
 
 
-def _tape_gradient(replica, original, self, target, sources, *args, **kwargs):
-    """`tf.GradientTape.gradient` inside a step. Gradients with respect to variables (a
-    step's loss with respect to its weights) are weighed by k/n and all-reduced at once:
-    one device's gradients, so that a step that clips them to a global norm, or moves its
-    weights along them (SAM), computes what one device does; `_apply` takes them as they
-    are. Gradients with respect to tensors (a gradient penalty's, per row) stay the
-    replica's own."""
-    grads = original(self, target, sources, *args, **kwargs)
-    variables = tf.nest.flatten(sources)
-    if not variables or not all(isinstance(s, (tf.Variable, keras.Variable)) for s in variables):
-        return grads
-    flat = tf.nest.flatten(grads)
-    if _sums_rows(replica, target):  # this replica's part of one device's sum, times n / k
-        flat = [None if g is None else _scaled(g, rules.share(replica, g.dtype)) for g in flat]
-    reduced = _reduced(replica, flat)
-    replica.reduced.extend(g for g in reduced if g is not None)
-    return tf.nest.pack_sequence_as(grads, reduced)
-
-
-def _sums_rows(replica, target):
-    """Whether the gradient of `target` is of a sum over this replica's rows, not a mean:
-    every target holds the rows (a per-row loss, whose gradient is of its sum: keras-io's
-    Siamese network), or sums every axis of a tensor that does (`ops.sum(per_row)`)."""
-    targets = tf.nest.flatten(target)
-    return bool(targets) and all(rows_of(replica, t) or (
-        t.shape.rank == 0 and getattr(getattr(t, "op", None), "type", None) == "Sum"
-        and rows_of(replica, t.op.inputs[0]))
-        for t in targets)
-
-
-def _scaled(gradient, factor):
-    if isinstance(gradient, tf.IndexedSlices):
-        return tf.IndexedSlices(gradient.values * factor, gradient.indices,
-                                gradient.dense_shape)
-    return gradient * factor
-
-
 def _held(replica, grads):
-    """`grads` as reduced where the step took them (`_tape_gradient`, `rules.held`), else
+    """`grads` as reduced where the step took them (`_tf_grads.tape_gradient`, `rules.held`), else
     reduced now: a step that changed them reduces them again, which leaves one device's
     gradients as they are (the weights k/n sum to 1)."""
     return grads if rules.held(replica, grads) else _reduced(replica, grads)
@@ -336,7 +298,7 @@ def _rules_table():
     # TensorFlow 2.21), which no probe can try without aborting: it is guarded everywhere.
     return [
         *((_keras.backend.nn, name, _any_rows, _step) for name in (*convolutions, "max_pool")),
-        (tf.GradientTape, "gradient", _tape_gradient, _step),
+        (tf.GradientTape, "gradient", _tf_grads.tape_gradient, _step),
         (tf_optimizer.TFOptimizer, "apply", _apply, _step),
         (keras.optimizers.LossScaleOptimizer, "apply", _loss_scale_apply, _step),
         (tf_optimizer.TFOptimizer, "_all_reduce_sum_gradients", _all_reduce_sum, _step),
@@ -348,9 +310,13 @@ def _rules_table():
         (keras.layers.Layer, "_clear_losses", _clear_losses, _step),
         (seed_generator, "global_seed_generator", _tf_seeds.global_generator,
          _tf_seeds.shared),
-        *((owner, name, _tf_xla.by_xla(rule) if owner is tf_random else rule, guard)
-          for owner, name, rule, guard in rules.table(_step, _step, tf_random, DRAWS)),
+        *((owner, name, _tf_xla.by_xla(rule) if owner is tf_random else _TF_RULES.get(rule, rule),
+           guard) for owner, name, rule, guard in rules.table(_step, _step, tf_random, DRAWS)),
     ]
+
+
+# Rules of `rules.table` that this engine takes with more in front (`_tf_grads`).
+_TF_RULES = {rules.mean_update: _tf_grads.mean_update}
 
 
 def _process_rules_table(workers):

@@ -50,7 +50,7 @@ import tensorflow as tf
 from keras import tree
 
 from keras_multigpu import rules
-from keras_multigpu.backends import _tf_rules, _tf_seeds, _tf_workers, _tf_xla
+from keras_multigpu.backends import _tf_grads, _tf_rules, _tf_seeds, _tf_workers, _tf_xla
 from keras_multigpu.backends._tf_batches import _counts, _replica_id, _tagged, _unwrap
 from keras_multigpu.backends._tf_batches import tag as tag  # the seam's (backends.API)
 from keras_multigpu.backends._tf_batches import untag as untag
@@ -345,7 +345,7 @@ def run_step(step, data, rows_out=False):
     replica.losses = {}  # this replica's `add_loss` values (see `_tf_rules._add_loss`)
     try:
         result = step(_dynamic_rows(untag(data)))
-        return result if rows_out else rules.own_logs(replica.state, result)
+        return result if rows_out else _tf_grads.own_logs(replica.state, result)
     finally:
         replica.state, replica.losses = previous
 

@@ -1,0 +1,115 @@
+"""A custom step's gradients and losses on TensorFlow, as one device's: rules of the
+TensorFlow engine's table (`_tf_rules`), in force inside its replicas' steps.
+
+A step's `tf.GradientTape` hands back one device's gradients, all-reduced where it takes
+them (so that a clip by their global norm is exact). A replica's loss is taken for the
+mean over its rows, whose weighed sum across replicas is one device's mean; a loss that
+is a sum over the rows, or a ratio of two such sums (a masked mean written by hand:
+`ops.sum(loss * mask) / ops.sum(mask)`), is found in the step's graph and weighed as one
+device's: its gradient by each replica's part, its value (a loss tracker's update, a
+value the step returns) as the batch's ratio.
+"""
+
+import keras
+import tensorflow as tf
+
+from keras_multigpu import rules
+from keras_multigpu.rules_gather import rows_of
+
+_RATIOS = {"RealDiv": tf.math.truediv, "DivNoNan": tf.math.divide_no_nan}
+
+
+def tape_gradient(replica, original, self, target, sources, *args, **kwargs):
+    """`tf.GradientTape.gradient` inside a step. Gradients with respect to variables (a
+    step's loss with respect to its weights) are weighed by k/n and all-reduced at once:
+    one device's gradients, so that a step that clips them to a global norm, or moves its
+    weights along them (SAM), computes what one device does; the optimizer's `apply`
+    takes them as they are. Gradients with respect to tensors (a gradient penalty's, per
+    row) stay the replica's own. The gradient of a sum over the rows is weighed as this
+    replica's part of one device's sum (`_sums_rows`), that of a ratio of two sums by its
+    denominator's share of the batch's (`ratio_of_sums`)."""
+    from keras_multigpu.backends._tf_rules import _reduced  # it imports this module
+
+    grads = original(self, target, sources, *args, **kwargs)
+    variables = tf.nest.flatten(sources)
+    if not variables or not all(isinstance(s, (tf.Variable, keras.Variable)) for s in variables):
+        return grads
+    flat = tf.nest.flatten(grads)
+    factor = None
+    if _sums_rows(replica, target):  # this replica's part of one device's sum, times n / k
+        factor = lambda dtype: rules.share(replica, dtype)  # noqa: E731
+    elif (ratio := ratio_of_sums(replica, target)) is not None:
+        # sum_r (k_r / n) * factor_r * grad_r = sum_r (M_r / M) * grad_r, M the batch's
+        mine = ratio[1]
+        batch = replica.all_reduce([mine], "all-reduce of a ratio's denominator")[0]
+        factor = lambda dtype: rules.share(replica, dtype) * tf.cast(  # noqa: E731
+            tf.math.divide_no_nan(mine, batch), dtype)
+    if factor is not None:
+        flat = [None if g is None else _scaled(g, factor(g.dtype)) for g in flat]
+    reduced = _reduced(replica, flat)
+    replica.reduced.extend(g for g in reduced if g is not None)
+    return tf.nest.pack_sequence_as(grads, reduced)
+
+
+def _sums_rows(replica, target):
+    """Whether the gradient of `target` is of a sum over this replica's rows, not a mean:
+    every target holds the rows (a per-row loss, whose gradient is of its sum: keras-io's
+    Siamese network), or sums every axis of a tensor that does (`ops.sum(per_row)`)."""
+    targets = tf.nest.flatten(target)
+    return bool(targets) and all(rows_of(replica, t) or _row_sum(replica, t) for t in targets)
+
+
+def _row_sum(replica, t):
+    """Whether `t` (through casts) is a sum of every axis of a tensor of this replica's
+    rows."""
+    while getattr(getattr(t, "op", None), "type", None) in ("Cast", "Identity"):
+        t = t.op.inputs[0]
+    return (isinstance(t, tf.Tensor) and t.shape.rank == 0 and t.op.type == "Sum"
+            and rows_of(replica, t.op.inputs[0]))
+
+
+def ratio_of_sums(replica, value):
+    """`(numerator, denominator)` where `value` is a ratio of two sums over every axis of
+    tensors of this replica's rows (a masked mean written by hand: keras-io's image
+    captioning), else None. A traced step's graph tells, the same on every replica."""
+    op = getattr(value, "op", None)
+    if (not isinstance(value, tf.Tensor) or value.shape.rank != 0 or op is None
+            or op.type not in _RATIOS):
+        return None
+    numerator, denominator = op.inputs
+    if _row_sum(replica, numerator) and _row_sum(replica, denominator):
+        return numerator, denominator
+    return None
+
+
+def global_ratio(replica, value):
+    """`value`, or the batch's ratio where it is a ratio of two sums over this replica's
+    rows: both sums all-reduced, then divided as the step divides them."""
+    parts = ratio_of_sums(replica, value)
+    if parts is None:
+        return value
+    numerator, denominator = replica.all_reduce(list(parts), "all-reduce of a ratio's sums")
+    return _RATIOS[value.op.type](numerator, denominator)
+
+
+def mean_update(replica, original, metric, values, sample_weight=None):
+    """`rules.mean_update` (a loss tracker's update), with a ratio of sums over the rows
+    taken as the batch's ratio (`global_ratio`), which the weighing by k / n then adds
+    once across replicas."""
+    if sample_weight is None:
+        values = global_ratio(replica, values)
+    return rules.mean_update(replica, original, metric, values, sample_weight)
+
+
+def own_logs(replica, logs):
+    """`rules.own_logs`, with each ratio of sums the step returns taken as the batch's."""
+    if isinstance(logs, dict):
+        logs = {key: global_ratio(replica, value) for key, value in logs.items()}
+    return rules.own_logs(replica, logs)
+
+
+def _scaled(gradient, factor):
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(gradient.values * factor, gradient.indices,
+                                gradient.dense_shape)
+    return gradient * factor
