@@ -632,6 +632,46 @@ def test_a_draw_shaped_by_the_rows_is_one_devices(split, blocks):
         np.testing.assert_array_equal(_numpy(part)[:blocks * k], expected)
 
 
+_DRAWS = {
+    "gamma": lambda shape, seed, alpha=2.0: keras.random.gamma(shape, alpha, seed=seed),
+    "binomial": lambda shape, seed: keras.random.binomial(shape, 3, 0.4, seed=seed),
+    "beta": lambda shape, seed: keras.random.beta(shape, 2.0, 3.0, seed=seed),
+}
+
+
+@pytest.mark.parametrize("split", SPLITS, ids=str)
+@pytest.mark.parametrize("name", list(_DRAWS))
+def test_gamma_binomial_and_beta_draws_shaped_by_the_rows_are_one_devices(split, name):
+    """Keras's other draws with a shape (a layer's per-row mask, MixUp's weights) are
+    drawn for the batch and sliced, as `normal` is."""
+    if BACKEND == "torch":
+        pytest.skip("Keras's torch gamma, binomial and beta seed torch's global generator, "
+                    "which these threads share; test_engines checks them across processes")
+    n, draw = sum(split), _DRAWS[name]
+    one = _numpy(draw((n, 2), keras.random.SeedGenerator(7)))
+    parts = _Replicas(split).run(lambda replica, rows: rules.random_draw(
+        replica, draw, (rows.stop - rows.start, 2), keras.random.SeedGenerator(7)))
+    for (k, start), part in zip(zip(split, _starts(split)), parts):
+        np.testing.assert_allclose(_numpy(part), one[start:start + k], rtol=1e-6)
+
+
+@pytest.mark.parametrize("split", [(3, 2), (2, 2, 1)], ids=str)
+def test_a_draw_with_a_parameter_per_row_is_the_replicas_own(split):
+    """A `gamma` whose `alpha` holds a value per row cannot be drawn for the batch (the
+    replica holds its rows' alphas alone): it is drawn as the replica asks."""
+    if BACKEND == "torch":
+        pytest.skip("Keras's torch gamma seeds torch's global generator, which these "
+                    "threads share")
+    n = sum(split)
+    alphas = np.linspace(1.0, 3.0, n, dtype="float32")[:, None]
+    parts = _Replicas(split).run(lambda replica, rows: rules.random_draw(
+        replica, _DRAWS["gamma"], (rows.stop - rows.start, 1), keras.random.SeedGenerator(7),
+        alpha=alphas[rows]))
+    for (k, start), part in zip(zip(split, _starts(split)), parts):
+        own = _DRAWS["gamma"]((k, 1), keras.random.SeedGenerator(7), alpha=alphas[start:start + k])
+        np.testing.assert_allclose(_numpy(part), _numpy(own), rtol=1e-6)
+
+
 @pytest.mark.parametrize("split", SPLITS, ids=str)
 def test_a_dropout_mask_is_one_devices(split):
     n = sum(split)

@@ -78,14 +78,35 @@ def batch_draw(replica, draw, shape, seed):
 
 
 def random_draw(replica, original, *args, **kwargs):
-    """Keras's `normal`, `uniform`, ... (`original`, with `shape` and `seed` arguments),
-    drawn by `batch_draw`."""
+    """Keras's `normal`, `uniform`, `gamma`, `binomial`, ... (`original`, with `shape` and
+    `seed` arguments), drawn by `batch_draw`. A draw whose parameters are given per row (a
+    `gamma` of an `alpha` shaped as the draw) is the replica's own."""
     arguments = inspect.signature(original).bind(*args, **kwargs).arguments
+    if any(_per_row(value, arguments["shape"]) for name, value in arguments.items()
+           if name not in ("shape", "seed", "dtype")):
+        return original(*args, **kwargs)
 
     def draw(shape, seed):
         return original(**{**arguments, "shape": shape, "seed": seed})
 
     return batch_draw(replica, draw, arguments["shape"], arguments.get("seed"))
+
+
+def _per_row(value, shape):
+    """Whether a draw's parameter `value` may hold one value per row of a draw of `shape`:
+    it has the draw's rank, and its first dimension is the draw's (or unknown)."""
+    if not hasattr(value, "shape") or len(value.shape) == 0:
+        return False
+    if keras.ops.is_tensor(shape):
+        shape = [None] * int(shape.shape[0])
+    if len(value.shape) != len(shape):
+        return False
+    rows, draws = value.shape[0], shape[0]
+    if rows is None:
+        return True
+    if draws is None or keras.ops.is_tensor(draws):  # a traced batch: a static 1 broadcasts
+        return int(rows) != 1
+    return int(rows) == int(draws)
 
 
 def dropout(replica, original, inputs, rate, noise_shape=None, seed=None):

@@ -13,7 +13,7 @@ patch (`device_datasets` is None).
 
 from keras_multigpu._keras import load
 
-DRAWS = ("normal", "uniform", "truncated_normal", "randint")
+DRAWS = ("normal", "uniform", "truncated_normal", "randint", "gamma", "binomial", "beta")
 
 TABLE = {
     "keras.src.backend.tensorflow.optimizer": (

@@ -17,7 +17,7 @@ from torch.utils import _pytree
 
 from keras_multigpu._keras import load
 
-DRAWS = ("normal", "uniform", "truncated_normal", "randint")
+DRAWS = ("normal", "uniform", "truncated_normal", "randint", "gamma", "binomial", "beta")
 
 TABLE = {
     "keras.src.backend.torch.random": (*DRAWS, "dropout", "_get_concrete_noise_shape"),
