@@ -62,21 +62,24 @@ def _sums_rows(replica, target):
 def _row_sum(replica, t):
     """Whether `t` (through casts) is a sum of every axis of a tensor of this replica's
     rows."""
-    while getattr(getattr(t, "op", None), "type", None) in ("Cast", "Identity"):
+    while _op_type(t) in ("Cast", "Identity"):
         t = t.op.inputs[0]
-    return (isinstance(t, tf.Tensor) and t.shape.rank == 0 and t.op.type == "Sum"
-            and rows_of(replica, t.op.inputs[0]))
+    return (_op_type(t) == "Sum" and t.shape.rank == 0 and rows_of(replica, t.op.inputs[0]))
+
+
+def _op_type(t):
+    """The type of the graph op that made `t`; None for an eager tensor (a step run
+    eagerly, `run_eagerly=True`: no graph tells) or anything else."""
+    return getattr(getattr(t, "op", None), "type", None)
 
 
 def ratio_of_sums(replica, value):
     """`(numerator, denominator)` where `value` is a ratio of two sums over every axis of
     tensors of this replica's rows (a masked mean written by hand: keras-io's image
     captioning), else None. A traced step's graph tells, the same on every replica."""
-    op = getattr(value, "op", None)
-    if (not isinstance(value, tf.Tensor) or value.shape.rank != 0 or op is None
-            or op.type not in _RATIOS):
+    if _op_type(value) not in _RATIOS or value.shape.rank != 0:
         return None
-    numerator, denominator = op.inputs
+    numerator, denominator = value.op.inputs
     if _row_sum(replica, numerator) and _row_sum(replica, denominator):
         return numerator, denominator
     return None
