@@ -302,14 +302,17 @@ class _RowScale(keras.layers.Layer):
         shape = (keras.ops.shape(x)[0], 1)
         keep = keras.random.binomial(shape, 1, 0.7, seed=self.seed_generator)
         scale = keras.random.gamma(shape, 2.0, seed=self.seed_generator) / 2.0
-        return x * keep * scale * keras.random.beta(shape, 2.0, 2.0, seed=self.seed_generator)
+        picked = keras.random.categorical(x, 1, seed=self.seed_generator)  # a feature per row
+        chosen = keras.ops.one_hot(keras.ops.squeeze(picked, -1), keras.ops.shape(x)[-1])
+        scale = scale * keras.random.beta(shape, 2.0, 2.0, seed=self.seed_generator)
+        return x * keep * scale + keras.ops.stop_gradient(chosen)
 
 
 @pytest.mark.parametrize("gpus", [3])
-def test_binomial_gamma_and_beta_draws_equal_one_device(gpus):
-    """Drawn for the batch and sliced, as normal draws are (each replica drew the first
-    rows' numbers: weights 0.14 from one device's on TensorFlow, 0.18 on torch, 29 rows in
-    batches of 10 on 3 devices)."""
+def test_binomial_gamma_beta_and_categorical_draws_equal_one_device(gpus):
+    """Drawn for the batch and sliced, as normal draws are; a categorical draw from the
+    gathered batch's logits (each replica drew the first rows' numbers: weights 0.14 from
+    one device's on TensorFlow, 0.18 on torch, 29 rows in batches of 10 on 3 devices)."""
     rng = np.random.default_rng(11)
     data = (rng.normal(size=(29, 6)).astype("float32"), rng.integers(0, 3, 29))
 

@@ -673,6 +673,30 @@ def test_a_draw_with_a_parameter_per_row_is_the_replicas_own(split):
 
 
 @pytest.mark.parametrize("split", SPLITS, ids=str)
+def test_a_categorical_draw_of_per_row_logits_is_one_devices(split):
+    """`keras.random.categorical` of logits with a row per row of the batch: each
+    replica's rows get one device's samples (each replica drew the first rows' numbers for
+    its own logits); logits that are the same on every replica are drawn as one device
+    draws them."""
+    n = sum(split)
+    logits = np.random.default_rng(5).normal(size=(n, 6)).astype("float32")
+    shared = logits[:2]
+    one = _numpy(keras.random.categorical(logits, 4, seed=keras.random.SeedGenerator(7)))
+    one_shared = _numpy(keras.random.categorical(shared, 4, seed=keras.random.SeedGenerator(8)))
+
+    def draw(replica, rows):
+        mine = rules.categorical(replica, keras.random.categorical, logits[rows], 4,
+                                 seed=keras.random.SeedGenerator(7))
+        return mine, rules.categorical(replica, keras.random.categorical, shared, 4,
+                                       seed=keras.random.SeedGenerator(8))
+
+    parts = _Replicas(split).run(draw)
+    for (k, start), (mine, theirs) in zip(zip(split, _starts(split)), parts):
+        np.testing.assert_array_equal(_numpy(mine), one[start:start + k])
+        np.testing.assert_array_equal(_numpy(theirs), one_shared)
+
+
+@pytest.mark.parametrize("split", SPLITS, ids=str)
 def test_a_dropout_mask_is_one_devices(split):
     n = sum(split)
     inputs = np.arange(1, 1 + n * 6, dtype="float32").reshape(n, 6)

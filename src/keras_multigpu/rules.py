@@ -47,16 +47,15 @@ from keras_multigpu.rules_metrics import (
     wrapped_update,
     wrapped_value,
 )
-from keras_multigpu.rules_random import batch_draw, dropout, random_draw
+from keras_multigpu.rules_random import batch_draw, categorical, dropout, random_draw
 
 __all__ = [
     "Replica", "held", "weight", "share", "weigh", "weighted_scalar", "reduce_values", "apply_mask",
     "additional_loss", "mean_update", "weighted_sum", "moments", "batch_draw", "random_draw",
-    "dropout", "mixing_layer", "batch_contraction", "compiled_loss", "one_value_loss",
-    "own_call_loss", "global_result", "metrics_result", "generic_metrics_result", "own_logs",
-    "wrapped_update",
-    "metrics_owner", "metric_classes", "table", "installed", "suspended",
-]
+    "dropout", "categorical", "mixing_layer", "batch_contraction", "compiled_loss",
+    "one_value_loss", "own_call_loss", "global_result", "metrics_result", "generic_metrics_result",
+    "own_logs", "wrapped_update", "metrics_owner", "metric_classes", "table", "installed",
+    "suspended"]
 
 
 @dataclasses.dataclass
@@ -241,16 +240,13 @@ def _select(condition, value, otherwise, then=lambda value: value):
 
 def mean_update(replica, original, metric, values, sample_weight=None):
     """Keras's `Mean.update_state` (`original`): a scalar without a weight (a custom step's
-    loss tracker, a per-output loss) is this replica's mean, weighed by k / n. A compiled
-    metric function's one value for the batch is added by `wrapped_update` instead, and
-    its value of a replica's one row counts one row."""
+    loss tracker, a per-output loss) is this replica's mean, weighed by k / n; a metric
+    function's one value for the batch is `wrapped_update`'s, a row's counts one row."""
     values = keras.ops.convert_to_tensor(values)
     wrapped = wrapped_value(replica, metric, values, sample_weight)
     if wrapped == "batch":
         return None
-    if wrapped == "rows":  # a row's value, not a mean, where a replica has one row
-        return original(metric, values, sample_weight=sample_weight)
-    if len(values.shape) == 0:
+    if len(values.shape) == 0 and wrapped != "rows":  # "rows": a row's value, not a mean
         w = weight(replica, values.dtype)
         values = keras.ops.where(w > 0, values, keras.ops.zeros_like(values))
         if sample_weight is None:
@@ -334,8 +330,8 @@ def moments(replica, original, layer, inputs, mask):
 def table(step, call, random_module, draws, logs=None):
     """The rules as `installed` takes them, for an engine whose `step()` returns this
     replica's `Replica` inside a step (None elsewhere) and `call()` one for the call
-    (metrics are read outside the step too). `random_module` is Keras's backend random
-    module, whose `draws` (and `dropout`) are patched. `logs()` (else `call()`) gives the
+    (metrics are read outside the step too). Keras's backend `random_module` has its
+    `draws`, `dropout` and `categorical` patched. `logs()` (else `call()`) gives the
     `Replica` that reads a step's logs, whose all-reduce may carry more (a stop flag)."""
     return [
         (loss_module, "reduce_weighted_values", weighted_scalar, step),
@@ -347,6 +343,7 @@ def table(step, call, random_module, draws, logs=None):
         (keras.layers.BatchNormalization, "_moments", moments, step),
         *((random_module, name, random_draw, step) for name in draws),
         (random_module, "dropout", dropout, step),
+        (random_module, "categorical", categorical, step),
         *((cls, "call", mixing_layer, step) for cls in mixing_layers()),
         (backend.numpy, "tensordot", batch_contraction, step),
         (base_trainer.CompileLoss, "call", compiled_loss, step),

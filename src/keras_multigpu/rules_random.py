@@ -1,12 +1,14 @@
 """The exactness rules for random draws, written once in `keras.ops` (see `rules`): a draw
 whose first dimension is the replica's rows is drawn for the global batch and sliced to
-the replica's rows, so each row gets one device's numbers; Dropout's mask likewise."""
+the replica's rows, so each row gets one device's numbers; Dropout's mask likewise, and a
+`categorical` draw from the gathered batch's logits."""
 
 import inspect
 
 import keras
 
 from keras_multigpu._keras import seed_generator
+from keras_multigpu.rules_gather import gather, rows_of, voted
 
 
 class Drawn(seed_generator.SeedGenerator):
@@ -90,6 +92,27 @@ def random_draw(replica, original, *args, **kwargs):
         return original(**{**arguments, "shape": shape, "seed": seed})
 
     return batch_draw(replica, draw, arguments["shape"], arguments.get("seed"))
+
+
+def categorical(replica, original, *args, **kwargs):
+    """Keras's `categorical` (`original`) of logits with a row per row of the batch: drawn
+    from the logits gathered from every replica, as one device draws for the batch, and
+    this replica's rows kept. Eager replicas vote on whether the logits are the batch's
+    (`voted`: every replica draws here, so every replica asks); other logits (the same on
+    every replica) are drawn as one device draws them."""
+    arguments = inspect.signature(original).bind(*args, **kwargs).arguments
+    logits = arguments["logits"] = keras.ops.convert_to_tensor(arguments["logits"])
+    rows = rows_of(replica, logits)
+    if not (rows if replica.traced else voted(replica, rows, [logits],
+                                              "all-reduce of keras.random.categorical's rows")):
+        return original(**arguments)
+    arguments["logits"] = gather(replica, keras.ops.stop_gradient(logits),
+                                 "all-gather of the batch for keras.random.categorical")
+    seed = arguments.get("seed")
+    if _seeded(seed):
+        arguments["seed"] = Drawn(seed_generator.draw_seed(seed))
+    drawn = original(**arguments)
+    return keras.ops.take(drawn, keras.ops.arange(replica.k) + replica.start, axis=0)
 
 
 def _per_row(value, shape):

@@ -19,7 +19,8 @@ TABLE = {
     "keras.src.backend.tensorflow.optimizer": (
         "TFOptimizer.apply", "TFOptimizer._all_reduce_sum_gradients",
         "TFOptimizer._backend_apply_gradients"),
-    "keras.src.backend.tensorflow.random": (*DRAWS, "dropout", "_get_concrete_noise_shape"),
+    "keras.src.backend.tensorflow.random": (*DRAWS, "dropout", "categorical",
+                                            "_get_concrete_noise_shape"),
     "keras.src.backend.tensorflow.trainer": ("reduce_per_replica",
                                              "_collective_all_reduce_multi_worker",
                                              "TFEpochIterator._get_iterator"),

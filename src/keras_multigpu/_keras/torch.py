@@ -20,7 +20,8 @@ from keras_multigpu._keras import load
 DRAWS = ("normal", "uniform", "truncated_normal", "randint", "gamma", "binomial", "beta")
 
 TABLE = {
-    "keras.src.backend.torch.random": (*DRAWS, "dropout", "_get_concrete_noise_shape"),
+    "keras.src.backend.torch.random": (*DRAWS, "dropout", "categorical",
+                                       "_get_concrete_noise_shape"),
     "keras.src.backend.torch.numpy": ("max", "min"),
     "keras.src.backend.torch.image": ("affine_transform",),
 }
