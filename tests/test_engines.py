@@ -515,7 +515,10 @@ def test_a_metric_function_of_one_value_for_the_batch_equals_one_device(gpus):
     """A compiled metric function that returns one value for the batch is computed on the
     gathered batch (each replica's own ratio was averaged: `masked_accuracy` 0.03 from one
     device's on TensorFlow and torch, 37 rows in batches of 10). Batches of 4 on 3
-    devices leave replicas of one row, and the last batch of 3 one row each, as above."""
+    devices leave replicas of one row, and the last batch of 3 one row each, as above. Its
+    loss, a ratio of sums too, is computed on the gathered batch, and TensorFlow's tape
+    rule leaves it as it is (taken for a replica's ratio, it trained weights 0.03 from one
+    device's)."""
     rng = np.random.default_rng(8)
     x = rng.integers(1, 12, (47, 6))
     for row, length in enumerate(rng.integers(1, 7, 47)):
@@ -528,9 +531,13 @@ def test_a_metric_function_of_one_value_for_the_batch_equals_one_device(gpus):
         hidden = keras.layers.Embedding(12, 8)(tokens)
         return keras.Model(tokens, keras.layers.Dense(12)(hidden))
 
+    def masked_loss(label, pred):  # the tutorial's, compiled: gathered, one value
+        mask = keras.ops.cast(label != 0, "float32")
+        loss = keras.losses.sparse_categorical_crossentropy(label, pred, from_logits=True)
+        return keras.ops.sum(loss * mask) / keras.ops.sum(mask)
+
     def compile(model):
-        model.compile(optimizer=keras.optimizers.SGD(0.5),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        model.compile(optimizer=keras.optimizers.SGD(0.5), loss=masked_loss,
                       metrics=[masked_accuracy])
 
     runs = [_train(count, 47, 4, build=build, compile=compile, data=(x, y),

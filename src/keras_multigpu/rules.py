@@ -77,7 +77,8 @@ class Replica:
             static first dimension (a Python int) is never the batch's rows.
         masked: set by `apply_mask` when it has divided a mean by the valid entries of
             every replica, and read (then cleared) by `reduce_values`.
-        results: the metric results read in the step (the batch's already: `own_logs`).
+        results: the step's values that are the batch's already (metric results it read,
+            losses computed on the gathered batch), which `own_logs` leaves as they are.
         reduced: gradients summed across replicas where the step took them (TensorFlow's
             tape, a torch backward pass), which the optimizer's apply takes as they are.
         own_step: whether Keras's own `train_step` runs (torch overlaps its all-reduce).
@@ -222,8 +223,7 @@ def additional_loss(replica, original, trainer, loss):
 
 
 def _rank(x):
-    """The rank of `x`, None where a traced tensor's rank is unknown (or `x`, a Python
-    number, has no shape)."""
+    """The rank of `x`; None where a traced tensor's is unknown, or `x` has no shape."""
     try:
         return len(x.shape)
     except (TypeError, ValueError, AttributeError):

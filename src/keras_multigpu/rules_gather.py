@@ -222,7 +222,9 @@ def own_call_loss(replica, original, loss, y_true, y_pred, sample_weight=None):
     what = f"all-gather of the batch for {loss.name}"
     y_true, y_pred, sample_weight = (gather_all(replica, part, what) for part in parts)
     with suspended():
-        return original(loss, y_true, y_pred, sample_weight)
+        value = original(loss, y_true, y_pred, sample_weight)
+    replica.results.append(value)  # the batch's already
+    return value
 
 
 def compiled_loss(replica, original, compile_loss, *args, **kwargs):
@@ -265,7 +267,9 @@ def one_value_loss(replica, original, loss, y_true, y_pred):
     what = f"all-gather of the batch for {loss.name}"
     batch = [gather_all(replica, y, what) for y in (y_true, y_pred)]
     with suspended():
-        return original(loss, *batch)
+        value = original(loss, *batch)
+    replica.results.append(value)  # the batch's already
+    return value
 
 
 def one_value(replica, holder, values, parts):

@@ -92,6 +92,12 @@ def wrapped_update(replica, original, metric, y_true, y_pred, sample_weight=None
         return original(metric, *batch, sample_weight=weight(replica, metric.dtype))
 
 
+def updating(metric):
+    """Whether `wrapped_update` is updating `metric` in this thread."""
+    call = getattr(_updating, "call", None)
+    return call is not None and call["metric"] is metric
+
+
 def wrapped_value(replica, metric, values, sample_weight):
     """What `Mean.update_state(values)` holds where `wrapped_update`'s metric calls it:
     "batch" (one value for the batch, which `wrapped_update` then adds instead), "rows"

@@ -13,7 +13,7 @@ value the step returns) as the batch's ratio.
 import keras
 import tensorflow as tf
 
-from keras_multigpu import rules
+from keras_multigpu import rules, rules_metrics
 from keras_multigpu.rules_gather import rows_of
 
 _RATIOS = {"RealDiv": tf.math.truediv, "DivNoNan": tf.math.divide_no_nan}
@@ -77,8 +77,9 @@ def ratio_of_sums(replica, value):
     """`(numerator, denominator)` where `value` is a ratio of two sums over every axis of
     tensors of this replica's rows (a masked mean written by hand: keras-io's image
     captioning), else None. A traced step's graph tells, the same on every replica."""
-    if _op_type(value) not in _RATIOS or value.shape.rank != 0:
-        return None
+    if _op_type(value) not in _RATIOS or value.shape.rank != 0 or any(
+            getattr(r, "name", None) == value.name for r in replica.results):
+        return None  # a compiled loss of one value is the gathered batch's already
     numerator, denominator = value.op.inputs
     if _row_sum(replica, numerator) and _row_sum(replica, denominator):
         return numerator, denominator
@@ -99,7 +100,7 @@ def mean_update(replica, original, metric, values, sample_weight=None):
     """`rules.mean_update` (a loss tracker's update), with a ratio of sums over the rows
     taken as the batch's ratio (`global_ratio`), which the weighing by k / n then adds
     once across replicas."""
-    if sample_weight is None:
+    if sample_weight is None and not rules_metrics.updating(metric):  # (`wrapped_update`'s)
         values = global_ratio(replica, values)
     return rules.mean_update(replica, original, metric, values, sample_weight)
 
