@@ -159,17 +159,19 @@ def _mixes_rows(replica, x1, x2, axes):
     if not (paired or (0 not in first and 0 not in second)):
         return False
     rows = rows_of(replica, x1) and rows_of(replica, x2)
-    if not (rows if replica.traced else voted(replica, rows, (x1, x2),
-                                              "all-reduce of ops.tensordot's rows")):
+    if not voted(replica, rows, (x1, x2), "all-reduce of ops.tensordot's rows"):
         return False
     return "paired" if paired else "pairs"
 
 
 def voted(replica, rows, tensors, what):
-    """Eager replicas' vote on whether `tensors` hold the batch's rows: every replica has
-    its own k rows there (`rows`, its own finding), and the tensors are not the same on
-    every replica (a weight of k rows is). One small all-reduce, which every replica must
-    join: call it where the question is the same on every one."""
+    """Whether `tensors` hold the batch's rows. A traced step's finding (`rows`, from its
+    dynamic first dimension) is the same on every replica. Eager replicas vote: every
+    replica has its own k rows there (`rows`, its own finding), and the tensors are not the
+    same on every replica (a weight of k rows is). One small all-reduce, which every
+    replica must join: call it where the question is the same on every one."""
+    if replica.traced:
+        return bool(rows)
     mine = keras.ops.stop_gradient(keras.ops.stack(
         [keras.ops.convert_to_tensor(float(rows))]
         + [keras.ops.cast(keras.ops.sum(x), "float32") for x in tensors]))

@@ -103,10 +103,9 @@ def wrapped_value(replica, metric, values, sample_weight):
     "batch" (one value for the batch, which `wrapped_update` then adds instead), "rows"
     (a value per row, squeezed to one on a replica of one row too: Keras's own update,
     which counts its rows) or None (not such a call). Every replica asks alike."""
-    call = getattr(_updating, "call", None)
-    if call is None or call["metric"] is not metric or sample_weight is not None:
+    if not updating(metric) or sample_weight is not None:
         return None
-    _updating.call = None  # asked once per update
+    call, _updating.call = _updating.call, None  # asked once per update
     call["one"] = one_value(replica, metric, values, call["parts"])
     return "batch" if call["one"] else "rows"
 

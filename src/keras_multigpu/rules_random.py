@@ -102,9 +102,8 @@ def categorical(replica, original, *args, **kwargs):
     every replica) are drawn as one device draws them."""
     arguments = inspect.signature(original).bind(*args, **kwargs).arguments
     logits = arguments["logits"] = keras.ops.convert_to_tensor(arguments["logits"])
-    rows = rows_of(replica, logits)
-    if not (rows if replica.traced else voted(replica, rows, [logits],
-                                              "all-reduce of keras.random.categorical's rows")):
+    if not voted(replica, rows_of(replica, logits), [logits],
+                 "all-reduce of keras.random.categorical's rows"):
         return original(**arguments)
     arguments["logits"] = gather(replica, keras.ops.stop_gradient(logits),
                                  "all-gather of the batch for keras.random.categorical")

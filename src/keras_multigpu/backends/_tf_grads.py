@@ -35,20 +35,27 @@ def tape_gradient(replica, original, self, target, sources, *args, **kwargs):
     if not variables or not all(isinstance(s, (tf.Variable, keras.Variable)) for s in variables):
         return grads
     flat = tf.nest.flatten(grads)
-    factor = None
-    if _sums_rows(replica, target):  # this replica's part of one device's sum, times n / k
-        factor = lambda dtype: rules.share(replica, dtype)  # noqa: E731
-    elif (ratio := ratio_of_sums(replica, target)) is not None:
-        # sum_r (k_r / n) * factor_r * grad_r = sum_r (M_r / M) * grad_r, M the batch's
-        mine = ratio[1]
-        batch = replica.all_reduce([mine], "all-reduce of a ratio's denominator")[0]
-        factor = lambda dtype: rules.share(replica, dtype) * tf.cast(  # noqa: E731
-            tf.math.divide_no_nan(mine, batch), dtype)
-    if factor is not None:
-        flat = [None if g is None else _scaled(g, factor(g.dtype)) for g in flat]
+    part = _part(replica, target)
+    if part is not None:  # this replica's part of one device's sum, times n / k
+        flat = [None if g is None else _scaled(g, rules.share(replica, g.dtype)
+                                               * tf.cast(part, g.dtype)) for g in flat]
     reduced = _reduced(replica, flat)
     replica.reduced.extend(g for g in reduced if g is not None)
     return tf.nest.pack_sequence_as(grads, reduced)
+
+
+def _part(replica, target):
+    """This replica's part of one device's gradient of `target`, where that is not a mean
+    over the rows: 1 for a sum over them (`_sums_rows`), the denominator's share of the
+    batch's for a ratio of two sums (`ratio_of_sums`: sum_r (k_r / n) * (n / k_r) *
+    (M_r / M) * grad_r = sum_r (M_r / M) * grad_r); None for a mean."""
+    if _sums_rows(replica, target):
+        return 1.0
+    ratio = ratio_of_sums(replica, target)
+    if ratio is None:
+        return None
+    batch = replica.all_reduce([ratio[1]], "all-reduce of a ratio's denominator")[0]
+    return tf.math.divide_no_nan(ratio[1], batch)
 
 
 def _sums_rows(replica, target):

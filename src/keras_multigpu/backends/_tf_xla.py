@@ -27,17 +27,6 @@ class _Wanted:
 _wanted = _Wanted()
 
 
-def jit_compile(distribution, wanted):
-    """The `jit_compile` the engine's steps take for a model whose own is `wanted` (one
-    device's choice): as asked on one device without a strategy (plain Keras's path), else
-    none, with the draws inside them made by XLA where `wanted` (`drawing`)."""
-    if not isinstance(distribution.strategy, (tf.distribute.MirroredStrategy,
-                                              tf.distribute.MultiWorkerMirroredStrategy)):
-        return wanted
-    distribution.xla_draws = bool(wanted)
-    return False
-
-
 @contextlib.contextmanager
 def drawing(distribution):
     """`distribution`'s choice of XLA draws in force for the duration (a call's)."""

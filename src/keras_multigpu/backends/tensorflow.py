@@ -54,7 +54,6 @@ from keras_multigpu.backends import _tf_grads, _tf_rules, _tf_seeds, _tf_workers
 from keras_multigpu.backends._tf_batches import _counts, _replica_id, _tagged, _unwrap
 from keras_multigpu.backends._tf_batches import tag as tag  # the seam's (backends.API)
 from keras_multigpu.backends._tf_batches import untag as untag
-from keras_multigpu.backends._tf_xla import jit_compile as jit_compile  # (xla_draws)
 from keras_multigpu.devices import (
     CPU_DEVICES_ENV,
     Device,
@@ -158,6 +157,16 @@ def _framework_default(devices):
 def _is_default(strategy):
     return not isinstance(strategy, (tf.distribute.MirroredStrategy,
                                      tf.distribute.MultiWorkerMirroredStrategy))
+
+
+def jit_compile(distribution, wanted):
+    """The `jit_compile` the steps take for a model whose own is `wanted` (one device's
+    choice): as asked without a strategy (plain Keras's path), else none, with the draws
+    inside them made by XLA where `wanted` (`_tf_xla`)."""
+    if _is_default(distribution.strategy):
+        return wanted
+    distribution.xla_draws = bool(wanted)
+    return False
 
 
 def make_distribution(devices):
