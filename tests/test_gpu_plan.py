@@ -93,6 +93,53 @@ def test_peak_table_and_selection():
     assert any(r["kind"] == "matmul" for r in chosen)
 
 
+def test_no_script_shadows_a_standard_module():
+    # A script's folder comes first on its sys.path: benchmarks/gpu/profile.py once made
+    # torch's `import cProfile` find it instead of the standard `profile`, on the GPU.
+    folders = [os.path.join(REPO, "benchmarks", "gpu"), os.path.join(REPO, "benchmarks"),
+               os.path.join(REPO, "scripts")]
+    names = {os.path.splitext(name)[0] for folder in folders if os.path.isdir(folder)
+             for name in os.listdir(folder) if name.endswith(".py")}
+    assert not names & set(sys.stdlib_module_names)
+
+
+def test_breakdown_sorts_kernels_by_kind():
+    spec = importlib.util.spec_from_file_location(
+        "gpu_breakdown", os.path.join(REPO, "benchmarks", "gpu", "breakdown.py"))
+    breakdown = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(breakdown)
+
+    def kernel(hlo_op, name, dur, ts):
+        return {"ph": "X", "pid": 1, "ts": ts, "dur": dur, "name": name,
+                "args": {"hlo_op": hlo_op}}
+
+    # Names as an H200's trace gave them (2026-11-28): the command buffer, not the fusion,
+    # is the HLO op of XLA's own kernels; cuDNN's carry the convolution's.
+    events = [
+        kernel("cudnn-conv-bias-activation.81",
+               "sm90_xmma_fprop_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc", 600, 0),
+        kernel("cudnn-conv-bw-filter.21", "sm80_xmma_wgrad_implicit_gemm_indexed_bf16", 400,
+               600),
+        kernel("command_buffer_442", "input_convert_reduce_fusion_8", 300, 1000),
+        kernel("command_buffer_442", "loop_reduce_window_fusion", 100, 1300),
+        kernel("command_buffer_65", "loop_maximum_fusion", 100, 1400),
+        kernel("command_buffer_95", "loop_convert_fusion", 100, 1500),
+        kernel("dot.3", "nvjet_sm90_tst_64x384", 200, 1600),
+    ]
+    assert [breakdown.kind_of(e) for e in events] == [
+        "convolution", "convolution", "reduction", "pooling", "elementwise", "elementwise",
+        "matmul"]
+    # 2 steps, 1.2 TFLOP each: 1.2 ms of convolutions and matrix products per step.
+    out = breakdown.breakdown(events, 2, 1.2e12, 1000.0)
+    assert out["ms_per_step_by_kind"] == pytest.approx(
+        {"convolution": 0.5, "reduction": 0.15, "pooling": 0.05, "elementwise": 0.1,
+         "matmul": 0.1})
+    assert out["device_busy_ms_per_step"] == pytest.approx(0.9)
+    assert out["device_span_ms_per_step"] == pytest.approx(0.9)
+    assert out["convolution_tflops"] == pytest.approx(2000.0)
+    assert out["busy_peak_fraction"] == pytest.approx(1.2e12 / 0.9e-3 / 1e12 / 1000)
+
+
 def test_toy_plan_runs_end_to_end(tmp_path):
     out = tmp_path / "plan"
     env = {k: v for k, v in os.environ.items() if k not in ("OUT", "GPU_PLAN_TOY")}

@@ -1,6 +1,6 @@
 """Where a GPU step's time goes, and ours against plain Keras where neither fills the GPU.
 
-    python benchmarks/gpu/profile.py OUT_DIR [--toy] [--batch 4096] [--spe 8]
+    python benchmarks/gpu/breakdown.py OUT_DIR [--toy] [--batch 4096] [--spe 8]
                                      [--rounds 6] [--budget 400]
 
 One JAX process (issue 26, item 3), two parts:
@@ -19,7 +19,7 @@ One JAX process (issue 26, item 3), two parts:
    each round a `fit` of a warm-up epoch and timed ones, so that drift between calls and
    machines falls on both alike. Reports each round's ratio and the median.
 
-Writes OUT_DIR/profile.json, OUT_DIR/profile.txt (the table, also printed last) and the
+Writes OUT_DIR/breakdown.json, OUT_DIR/breakdown.txt (the table, also printed last) and the
 trace's top kernels. Without a GPU (or with --toy) the same runs at toy sizes on the CPU,
 where the device events are XLA:CPU's thunks.
 """
@@ -47,7 +47,7 @@ KINDS = (
     ("convolution", re.compile(r"cudnn-conv|convolution|conv(?!ert)|implicit_gemm|fprop|dgrad"
                                r"|wgrad", re.I)),
     ("matmul", re.compile(r"gemm|cublas|cutlass|\bdot|matmul", re.I)),
-    ("pooling", re.compile(r"reduce-window|select-and-scatter|pool", re.I)),
+    ("pooling", re.compile(r"reduce[-_]window|select[-_]and[-_]scatter|pool", re.I)),
     ("copy", re.compile(r"memcpy|memset|copy|transpose", re.I)),
     ("reduction", re.compile(r"reduc", re.I)),
 )
@@ -177,7 +177,7 @@ def run_pair(group, ours, plain, rounds, deadline):
             row[record["engine"]] = group.measure(record, deadline + 3600)["images_per_second"]
         row["ratio"] = row["ours"] / row["plain"]
         out["rounds"].append(row)
-        print(f"[profile] pair round {r + 1}: ours {row['ours']:.0f} img/s, "
+        print(f"[breakdown] pair round {r + 1}: ours {row['ours']:.0f} img/s, "
               f"plain {row['plain']:.0f}, ratio {row['ratio']:.3f}", flush=True)
     ratios = [row["ratio"] for row in out["rounds"]]
     out["median_ratio"] = statistics.median(ratios) if ratios else None
@@ -245,7 +245,7 @@ def main(argv=None):
     import keras  # noqa: F401  (the backend starts here)
 
     result = {"machine": machine, "device": worker.check_accelerator(task), "toy": toy,
-              "command": "python benchmarks/gpu/profile.py " + " ".join(sys.argv[1:])}
+              "command": "python benchmarks/gpu/breakdown.py " + " ".join(sys.argv[1:])}
     x, y, source = worker.load_data(task)
     result["data"] = source
     group = worker.Group(task, x, y)
@@ -259,15 +259,15 @@ def main(argv=None):
             result["trace"] = run_trace(group, fast, task, folder, peak)
     except Exception as error:  # the pair still runs; the error is the finding
         result["trace_error"] = f"{type(error).__name__}: {error}"[-1500:]
-    print(f"[profile] trace done after {time.time() - started:.0f} s", flush=True)
+    print(f"[breakdown] trace done after {time.time() - started:.0f} s", flush=True)
     try:
         result["pair"] = run_pair(group, ours, plain, args.rounds, started + args.budget)
     except Exception as error:
         result["pair_error"] = f"{type(error).__name__}: {error}"[-1500:]
     result["seconds"] = time.time() - started
-    plan.write_json(os.path.join(args.out, "profile.json"), result)
+    plan.write_json(os.path.join(args.out, "breakdown.json"), result)
     summary = text(result)
-    with open(os.path.join(args.out, "profile.txt"), "w") as f:
+    with open(os.path.join(args.out, "breakdown.txt"), "w") as f:
         f.write(summary + "\n")
     print(summary, flush=True)
     return 0 if "trace" in result and "pair" in result else 1
