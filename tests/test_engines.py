@@ -795,6 +795,40 @@ def test_add_loss_summed_over_the_batch(gpus):
     _assert_same(*runs)
 
 
+class _CTCEndpoint(keras.layers.Layer):
+    """keras-io's OCR endpoint with Keras's own CTC loss: `add_loss` of its per-row vector."""
+
+    def call(self, labels, predictions):
+        rows = keras.ops.shape(labels)[0]
+        loss = keras.ops.ctc_loss(keras.ops.cast(labels, "int32"), predictions,
+                                  keras.ops.full((rows,), 3, "int32"),
+                                  keras.ops.full((rows,), 5, "int32"), mask_index=0)
+        self.add_loss(keras.ops.expand_dims(loss, 1))
+        return predictions
+
+
+@pytest.mark.parametrize("gpus", [3, 4])
+def test_ctc_loss_with_a_device_left_without_rows(gpus):
+    """Keras's `ctc_loss` refuses zero rows on TensorFlow and torch, which one device never
+    hands it: 10 rows in batches of 3 leave the last batch's one row to one device."""
+    rng = np.random.default_rng(0)
+    inputs = {"x": rng.normal(size=(10, 5, 4)).astype("float32"),
+              "labels": rng.integers(1, 4, (10, 3)).astype("float32")}
+    runs = []
+    for count in (None, gpus):
+        keras.utils.set_random_seed(0)
+        x, labels = keras.Input((5, 4), name="x"), keras.Input((3,), name="labels")
+        predictions = keras.layers.Dense(4, activation="softmax")(
+            keras.layers.Dense(6, activation="tanh")(x))
+        model = keras.Model([x, labels], _CTCEndpoint()(labels, predictions))
+        target = model if count is None else kmg.multi_gpu_model(model, gpus=count)
+        target.compile(optimizer=keras.optimizers.SGD(0.05))
+        history = target.fit(inputs, batch_size=3, epochs=2, shuffle=False, verbose=0,
+                             validation_data=(inputs, None))
+        runs.append((model, target, history.history))
+    _assert_same(*runs)
+
+
 class StepInputs(keras.Model):
     """A model that learns from x alone (its own loss), and records what each of its steps
     is handed: x alone or a tuple, as Keras packs it."""

@@ -48,6 +48,7 @@ from keras_multigpu.rules_metrics import (
     wrapped_value,
 )
 from keras_multigpu.rules_random import batch_draw, categorical, dropout, random_draw
+from keras_multigpu.rules_rows import ctc_loss
 
 __all__ = [
     "Replica", "held", "weight", "share", "weigh", "weighted_scalar", "reduce_values", "apply_mask",
@@ -117,8 +118,7 @@ def share(replica, dtype):
 
 
 def weigh(replica, gradient):
-    """A gradient of this replica's mean loss, times k / n: the term it adds to one
-    device's. 0 where the replica had no rows (its mean may be NaN there)."""
+    """A gradient of this replica's mean loss times k / n; 0 without rows (mean maybe NaN)."""
     w = weight(replica, gradient.dtype)
     return keras.ops.where(w > 0, gradient * w, keras.ops.zeros_like(gradient))
 
@@ -346,6 +346,7 @@ def table(step, call, random_module, draws, logs=None):
         (random_module, "categorical", categorical, step),
         *((cls, "call", mixing_layer, step) for cls in mixing_layers()),
         (backend.numpy, "tensordot", batch_contraction, step),
+        (backend.nn, "ctc_loss", ctc_loss, step),
         (base_trainer.CompileLoss, "call", compiled_loss, step),
         *((cls, "call", one_value_loss, step) for cls in loss_classes()),
         *((cls, "__call__", own_call_loss, step) for cls in loss_calls()),
@@ -381,9 +382,8 @@ def suspended():
 def installed(rules):
     """Patches every `(owner, name, rule, guard)` of `rules` for the duration.
 
-    The patched function calls `rule(replica, original, *args, **kwargs)` where
-    `guard()` returns a `Replica`, and Keras's own function everywhere else (where it
-    returns None). Everything is restored on exit.
+    Where `guard()` returns a `Replica`, the patched function calls `rule(replica, original,
+    *args, **kwargs)`; elsewhere (None), Keras's own. Everything is restored on exit.
     """
     saved = []
     try:

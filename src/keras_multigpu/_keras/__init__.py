@@ -74,7 +74,8 @@ _MISSING = object()
 # Optimizer.apply, LossScaleOptimizer.apply (TensorFlow; it calls _common_apply),
 # {MixUp, CutMix, RandomElasticTransform,
 # RandomGaussianBlur}.call, each Metric's result, each Loss's call but CompileLoss's,
-# backend.numpy.tensordot (a contraction over the batch axis); on
+# backend.numpy.tensordot (a contraction over the batch axis), backend.nn.ctc_loss (on
+# a replica dealt no rows); on
 # TensorFlow, where its CPU convolutions misshape an empty batch,
 # backend.nn.{conv, depthwise_conv, separable_conv}, and everywhere backend.nn.max_pool
 # (its gradient on zero rows aborts under oneDNN);
@@ -93,7 +94,7 @@ COMMON = {
     "keras.src.backend": ("in_stateless_scope", "compute_output_spec",
                           "common.global_state.get_global_attribute",
                           "nn.conv", "nn.depthwise_conv", "nn.separable_conv", "nn.max_pool",
-                          "numpy.tensordot"),
+                          "nn.ctc_loss", "numpy.tensordot"),
     "keras.src.losses.loss": ("reduce_weighted_values", "reduce_values", "apply_mask",
                               "scale_loss_for_distribution", "unscale_loss_for_distribution",
                               "squeeze_or_expand_to_same_rank"),
