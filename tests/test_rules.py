@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from keras_multigpu import rules
-from keras_multigpu._keras import base_trainer, loss_module
+from keras_multigpu._keras import backend, base_trainer, loss_module
 
 # Rows per replica: even, uneven, and replicas left without rows (a batch smaller than the
 # replica count, or a last batch that runs out).
@@ -353,6 +353,22 @@ def test_an_added_loss_summed_over_rows_or_a_mean_is_one_devices(split):
             per_row[rows].mean() if rows.stop > rows.start else np.float32("nan"))))
     assert all(np.isfinite(_numpy(p)) for p in parts)
     np.testing.assert_allclose(_weighed_sum(split, parts), per_row.mean(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("split", SPLITS, ids=str)
+def test_a_ctc_loss_on_a_replica_without_rows_is_empty(split):
+    """Keras's `ctc_loss` refuses zero rows on TensorFlow and torch: the replicas' losses,
+    in order, are one device's (the rows' losses), an empty one where a replica has none."""
+    n, rng = sum(split), np.random.default_rng(2)
+    labels = rng.integers(1, 4, (n, 3)).astype("int32")
+    output = keras.ops.softmax(rng.normal(size=(n, 6, 4)).astype("float32"))
+    lengths = [np.full((n,), 3, "int32"), np.full((n,), 6, "int32")]
+    parts = _Replicas(split).run(lambda replica, rows: rules.ctc_loss(
+        replica, backend.nn.ctc_loss, labels[rows], output[rows], lengths[0][rows],
+        lengths[1][rows]))
+    assert [_numpy(p).shape for p in parts] == [(k,) for k in split]
+    np.testing.assert_allclose(np.concatenate([_numpy(p) for p in parts]),
+                               _numpy(backend.nn.ctc_loss(labels, output, *lengths)), rtol=1e-5)
 
 
 @pytest.mark.parametrize("split", SPLITS, ids=str)
