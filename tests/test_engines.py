@@ -377,6 +377,62 @@ def test_layers_that_mix_rows_of_the_batch_equal_one_device(gpus):
     _assert_same(*runs)
 
 
+def _augmenting_model():
+    # AugMix runs on torch only: on TensorFlow its chains are chosen with Python's `random`
+    # as each trace of the step is made, and one device traces the step again for a last
+    # batch of another size (docs/engines.md).
+    augmix = [] if BACKEND == "tensorflow" else [keras.layers.AugMix(value_range=(0, 1), seed=6)]
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([
+        keras.Input((6, 6, 3)),
+        keras.layers.RandAugment(value_range=(0, 1), seed=5),
+        *augmix,
+        keras.layers.Conv2D(3, 1),
+        keras.layers.Flatten(),
+        keras.layers.Dense(3, activation="softmax"),
+    ])
+
+
+@pytest.mark.skipif(BACKEND == "jax", reason="one step on the whole batch (it passes; its "
+                    "compilation takes a minute on the CPU)")
+@pytest.mark.parametrize("gpus", [3])
+def test_randaugment_and_augmix_equal_one_device(gpus):
+    """RandAugment draws its operations with a shape of (2,), which a replica of 2 rows took
+    for a draw per row, AugMix chooses its own with Python's `random`, and their operations
+    refuse a replica's share of no rows: each replica runs them on the gathered batch. 13
+    rows in batches of 4 on 3 devices: replicas of 1 and 2 rows, and a last batch of one."""
+    x = np.random.default_rng(6).uniform(size=(13, 6, 6, 3)).astype("float32")
+    data = (x, np.arange(13) % 3)
+    runs = [_train(count, 13, 4, build=_augmenting_model, data=data, shuffle=True)
+            for count in (None, gpus)]
+    _assert_same(*runs)
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's replicas share a process")
+@pytest.mark.parametrize("gpus", [3])
+def test_augmix_chooses_one_devices_operations_in_each_replica(gpus):
+    """AugMix chooses its operations with Python's `random` as the step is traced, and
+    TensorFlow traces its replicas in turn in one process: each replica chooses what one
+    device chooses. (One device traces its step twice where the first call makes variables,
+    a compiled metric's, and AugMix then keeps the second trace's choices: no metric here.)"""
+    x = np.random.default_rng(6).uniform(size=(13, 6, 6, 3)).astype("float32")
+    data = (x, np.arange(13) % 3)
+
+    def build():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([
+            keras.Input((6, 6, 3)), keras.layers.AugMix(value_range=(0, 1)),
+            keras.layers.Conv2D(3, 1), keras.layers.Flatten(), keras.layers.Dense(3)])
+
+    def compile(model):
+        model.compile(optimizer=keras.optimizers.SGD(0.1),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+    runs = [_train(count, 13, 4, build=build, compile=compile, data=data, shuffle=True)
+            for count in (None, gpus)]
+    _assert_same(*runs)
+
+
 class _Recommender(keras.Model):
     """keras-io's collaborative filtering (RecommenderNet): `ops.tensordot(users, movies,
     2)` contracts the batch axis too, one value for the batch that every row adds."""

@@ -4,6 +4,7 @@ a `tensordot` that sums over the batch axis or pairs its rows, run on the batch 
 from every replica."""
 
 import contextlib
+import random
 import threading
 
 import keras
@@ -80,10 +81,12 @@ def mixing_layers():
     """Keras's layers whose rows depend on the whole batch, and those `mixes_rows` marked:
     MixUp and CutMix mix each image with another image of the batch, RandomElasticTransform
     draws its displacements inside the backend's image function, not through
-    `rules_random`'s draws, and RandomGaussianBlur draws its two sigmas with a shape of (2,),
-    which an eager replica of 1 or 2 rows takes for a draw per row
-    (`rules_random.batch_draw`)."""
-    names = ("MixUp", "CutMix", "RandomElasticTransform", "RandomGaussianBlur")
+    `rules_random`'s draws, RandomGaussianBlur and RandAugment draw a shape of (2,) (the
+    sigmas, the operations), which an eager replica of 1 or 2 rows takes for a draw per row
+    (`rules_random.batch_draw`), and AugMix chooses its operations with Python's `random`.
+    Their operations refuse a batch of no rows, which a replica's share may be."""
+    names = ("MixUp", "CutMix", "RandomElasticTransform", "RandomGaussianBlur", "RandAugment",
+             "AugMix")
     own = tuple(getattr(keras.layers, name) for name in names if hasattr(keras.layers, name))
     return tuple(dict.fromkeys(own + tuple(_MARKED)))
 
@@ -100,11 +103,31 @@ def mixing_layer(replica, original, layer, data, *args, **kwargs):
     batch = gather_all(replica, data, f"all-gather of the batch for {layer.name}")
     replica.k, replica.start = replica.n, 0  # the layer's draws are one device's for the batch
     try:
-        mixed = original(layer, batch, *args, **kwargs)
+        with _python_draws_alike(replica, layer):
+            mixed = original(layer, batch, *args, **kwargs)
     finally:
         replica.k, replica.start = k, start
     rows = keras.ops.arange(k) + start
     return keras.tree.map_structure(lambda x: keras.ops.take(x, rows, axis=0), mixed)
+
+
+@contextlib.contextmanager
+def _python_draws_alike(replica, layer):
+    """Python's `random` as the first replica found it, for each replica's call of `layer`:
+    AugMix chooses its operations with it as its step is traced, and TensorFlow traces
+    its replicas one after another in one process, each moving it on. Every replica then
+    chooses what one device chooses, which leaves it moved on once. (torch's processes
+    each hold their own, process 0's.)"""
+    if not replica.traced:
+        yield
+        return
+    held = layer.__dict__.setdefault("_keras_multigpu_python_draws", [None, 0])
+    if held[1] == 0:
+        held[0] = random.getstate()
+    else:
+        random.setstate(held[0])
+    held[1] = (held[1] + 1) % replica.replicas
+    yield
 
 
 def batch_contraction(replica, original, x1, x2, axes=2):
