@@ -556,6 +556,28 @@ def test_a_loss_of_one_value_for_the_batch_equals_one_device(gpus, loss):
     _assert_same(*runs)
 
 
+@pytest.mark.parametrize("gpus", [3])
+def test_a_loss_that_compares_every_pair_of_rows_equals_one_device(gpus):
+    """Keras's Circle loss (metric learning) gives each row a value from its similarities
+    with every row of the batch: each replica takes its rows of the values computed on the
+    gathered batch (measured before, on TensorFlow and torch: two thirds of one device's
+    loss in batches of 3). 10 rows in batches of 3: replicas of one row and of none."""
+    rng = np.random.default_rng(8)
+    x, y = rng.normal(size=(10, 6)).astype("float32"), rng.integers(0, 3, 10)
+
+    def build():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
+                                 keras.layers.Dense(4)])
+
+    def compile(model):
+        model.compile(optimizer=keras.optimizers.SGD(1e-3), loss=keras.losses.Circle())
+
+    runs = [_train(count, 10, 3, build=build, compile=compile, data=(x, y),
+                   validation_data=(x[:4], y[:4])) for count in (None, gpus)]
+    _assert_same(*runs)
+
+
 def masked_accuracy(label, pred):
     """The TensorFlow transformer tutorial's metric, in `keras.ops`: a ratio of sums over
     the batch (the matches among the tokens that are not padding)."""

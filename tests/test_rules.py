@@ -279,6 +279,23 @@ def test_a_loss_of_one_value_for_the_batch_is_computed_on_the_whole_batch(split,
             np.testing.assert_allclose(_numpy(part), one, rtol=1e-6)
 
 
+@pytest.mark.parametrize("split", SPLITS + [(1, 1, 1), (2, 1, 1)], ids=str)
+def test_a_loss_whose_rows_compare_with_every_row_is_one_devices(split):
+    """Keras's Circle loss gives each row a value from its similarities with every row of
+    the batch, and masks its rows of no loss (Keras's mean leaves them out): each replica
+    takes its rows of the values computed on the gathered batch, with their mask."""
+    rng = np.random.default_rng(11)
+    labels = rng.integers(0, 3, sum(split)).astype("int32")
+    embeddings = rng.normal(size=(sum(split), 4)).astype("float32")
+    one = _numpy(_compiled(keras.losses.Circle(), labels, embeddings)(labels, embeddings))
+    loss = _compiled(keras.losses.Circle(), labels, embeddings)
+    replicas = _Replicas(split)
+    with rules.installed(_loss_rules(replicas.guard)):
+        parts = replicas.run(lambda replica, rows: loss(labels[rows], embeddings[rows]))
+    assert len(set(replicas.calls)) == 1
+    np.testing.assert_allclose(_weighed_sum(split, parts), one, rtol=1e-5)
+
+
 class _SumOverRows(keras.losses.Loss):
     """A custom loss of one value that calls a Loss summed over the rows."""
 

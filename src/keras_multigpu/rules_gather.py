@@ -9,7 +9,7 @@ import threading
 
 import keras
 
-from keras_multigpu._keras import base_trainer
+from keras_multigpu._keras import backend, base_trainer
 
 # Set while the loss a model compiles runs: its Losses see the batch's rows.
 _compiled = threading.local()
@@ -286,6 +286,8 @@ def one_value_loss(replica, original, loss, y_true, y_pred):
 
     if not getattr(_compiled, "on", False):
         return original(loss, y_true, y_pred)
+    if getattr(loss, "fn", None) in _pairing_losses():
+        return _rows_of_the_batch(replica, original, loss, y_true, y_pred)
     values = original(loss, y_true, y_pred)
     if not one_value(replica, loss, values, (y_true, y_pred)):
         return values
@@ -295,6 +297,29 @@ def one_value_loss(replica, original, loss, y_true, y_pred):
         value = original(loss, *batch)
     replica.results.append(value)  # the batch's already
     return value
+
+
+def _pairing_losses():
+    """Keras's loss functions whose value for a row depends on every row of the batch:
+    `circle` compares each row's embedding with every other row's."""
+    return tuple(f for f in (getattr(keras.losses, "circle", None),) if f is not None)
+
+
+def _rows_of_the_batch(replica, original, loss, y_true, y_pred):
+    """A `_pairing_losses` loss: its values for the gathered batch, computed as one device
+    does (the rules suspended), of which each replica keeps its own rows' and their mask
+    (the gather's gradient hands each replica its rows' part of the others')."""
+    from keras_multigpu.rules import suspended
+
+    what = f"all-gather of the batch for {loss.name}"
+    batch = [gather_all(replica, y, what) for y in (y_true, y_pred)]
+    with suspended():
+        values = original(loss, *batch)
+    rows = keras.ops.arange(replica.k) + replica.start
+    mine, mask = keras.ops.take(values, rows, axis=0), backend.get_keras_mask(values)
+    if mask is not None:  # circle masks its rows of no loss: Keras's mean leaves them out
+        backend.set_keras_mask(mine, keras.ops.take(mask, rows, axis=0))
+    return mine
 
 
 def one_value(replica, holder, values, parts):

@@ -91,7 +91,8 @@ PUBLIC = {
     "keras.saving": ("save_model", "save_weights"),
 }
 COMMON = {
-    "keras.src.backend": ("in_stateless_scope", "compute_output_spec",
+    "keras.src.backend": ("in_stateless_scope", "compute_output_spec", "get_keras_mask",
+                          "set_keras_mask",
                           "common.global_state.get_global_attribute",
                           "nn.conv", "nn.depthwise_conv", "nn.separable_conv", "nn.max_pool",
                           "nn.ctc_loss", "numpy.tensordot"),
