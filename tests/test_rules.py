@@ -296,6 +296,21 @@ def test_a_loss_whose_rows_compare_with_every_row_is_one_devices(split):
     np.testing.assert_allclose(_weighed_sum(split, parts), one, rtol=1e-5)
 
 
+@pytest.mark.parametrize("split", [(1, 1, 1), (1, 1)], ids=str)
+@pytest.mark.parametrize("name", ["dice", "mse"])
+def test_a_loss_first_met_with_one_row_on_every_replica_is_told_by_its_rank(split, name):
+    """Where every replica has one row (a batch as large as the device count) before any
+    batch has told the loss's kind, its values once more on each row twice tell it."""
+    y_true, y_pred = _labels_and_predictions(sum(split), 9)
+    make = {"dice": keras.losses.Dice, "mse": keras.losses.MeanSquaredError}[name]
+    one = _numpy(_compiled(make(), y_true, y_pred)(y_true, y_pred))
+    loss = _compiled(make(), y_true, y_pred)
+    replicas = _Replicas(split)
+    with rules.installed(_loss_rules(replicas.guard)):
+        parts = replicas.run(lambda replica, rows: loss(y_true[rows], y_pred[rows]))
+    np.testing.assert_allclose(_weighed_sum(split, parts), one, rtol=1e-6)
+
+
 class _SumOverRows(keras.losses.Loss):
     """A custom loss of one value that calls a Loss summed over the rows."""
 
@@ -422,7 +437,7 @@ def _squeezed_error(label, pred):
     return keras.ops.squeeze(keras.ops.mean(keras.ops.cast(wrong, "float32"), axis=-1))
 
 
-@pytest.mark.parametrize("split", SPLITS + [(1, 1, 0), (2, 1, 1)], ids=str)
+@pytest.mark.parametrize("split", SPLITS + [(1, 1, 0), (2, 1, 1), (1, 1, 1)], ids=str)
 @pytest.mark.parametrize("fn", [_masked_accuracy, _squeezed_error], ids=lambda fn: fn.__name__)
 def test_a_metric_function_of_one_value_for_the_batch_is_one_devices(split, fn):
     """A metric made from a function (`metrics=[fn]`): where it returns one value for the

@@ -289,7 +289,7 @@ def one_value_loss(replica, original, loss, y_true, y_pred):
     if getattr(loss, "fn", None) in _pairing_losses():
         return _rows_of_the_batch(replica, original, loss, y_true, y_pred)
     values = original(loss, y_true, y_pred)
-    if not one_value(replica, loss, values, (y_true, y_pred)):
+    if not one_value(replica, loss, values, (y_true, y_pred), lambda p: original(loss, *p)):
         return values
     what = f"all-gather of the batch for {loss.name}"
     batch = [gather_all(replica, y, what) for y in (y_true, y_pred)]
@@ -322,7 +322,17 @@ def _rows_of_the_batch(replica, original, loss, y_true, y_pred):
     return mine
 
 
-def one_value(replica, holder, values, parts):
+def _on_two_rows(again, parts):
+    """`again(parts)` on `parts` with their one row twice, the rules suspended, no gradient."""
+    from keras_multigpu.rules import suspended
+
+    twice = keras.tree.map_structure(lambda x: x if x is None or len(x.shape) == 0 else (
+        keras.ops.stop_gradient(keras.ops.concatenate([x, x], axis=0))), parts)
+    with suspended():
+        return again(twice)
+
+
+def one_value(replica, holder, values, parts, again):
     """Whether `values`, which `holder` (a Loss, a metric) computed from `parts` (its
     `y_true` and `y_pred`), is one value for the batch, not one per row: every replica
     answers alike, and every replica must ask.
@@ -332,7 +342,8 @@ def one_value(replica, holder, values, parts):
     batch leaves some replica fewer than two rows, every replica joins one all-reduce
     where those of two rows or more, and those of none (a per-row value has a row
     dimension of 0 there), decide. Where every replica has one row, `holder` keeps what
-    its earlier batches decided (the same on every replica), else it is left as it is.
+    its earlier batches decided (the same on every replica); before any, `again(parts)`
+    computes the values once more on each row twice, whose rank tells (every replica alike).
     """
     from keras_multigpu.rules import _rank
 
@@ -342,7 +353,9 @@ def one_value(replica, holder, values, parts):
         return found
     n, k, replicas = int(replica.n), int(replica.k), replica.replicas  # k: n // R or one more
     if n == replicas:
-        return getattr(holder, "_keras_multigpu_one_value", False)
+        if not hasattr(holder, "_keras_multigpu_one_value"):
+            holder._keras_multigpu_one_value = _rank(_on_two_rows(again, parts)) == 0
+        return holder._keras_multigpu_one_value
     if n < 2 * replicas:
         voter = k >= 2 or k == 0
         votes = replica.all_reduce([keras.ops.convert_to_tensor(float(found and voter))],

@@ -106,7 +106,8 @@ def wrapped_value(replica, metric, values, sample_weight):
     if not updating(metric) or sample_weight is not None:
         return None
     call, _updating.call = _updating.call, None  # asked once per update
-    call["one"] = one_value(replica, metric, values, call["parts"])
+    call["one"] = one_value(replica, metric, values, call["parts"],
+                            lambda parts: metric._fn(*parts, **metric._fn_kwargs))
     return "batch" if call["one"] else "rows"
 
 
