@@ -433,6 +433,28 @@ def test_augmix_chooses_one_devices_operations_in_each_replica(gpus):
     _assert_same(*runs)
 
 
+@pytest.mark.parametrize("gpus", [3])
+def test_a_mel_spectrogram_floored_under_the_batchs_peak_equals_one_device(gpus):
+    """MelSpectrogram floors its decibels at `top_db` under the peak of the whole batch, and
+    its `stft` refuses a batch of no signals (TensorFlow, torch): each replica runs it on
+    the gathered batch. Signals 40 dB apart in batches of 3 on 3 devices (replicas of one
+    row, and of none in the last batch): a replica's own peak floors other rows."""
+    rng = np.random.default_rng(9)
+    x = (rng.normal(size=(10, 64)) * 10.0 ** (-2 * (np.arange(10) % 3))[:, None])
+    data = (x.astype("float32"), np.arange(10) % 2)
+
+    def build():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([
+            keras.Input((64,)),
+            keras.layers.MelSpectrogram(fft_length=16, sequence_stride=8, num_mel_bins=4,
+                                        top_db=30.0),
+            keras.layers.Flatten(), keras.layers.Dense(2, activation="softmax")])
+
+    runs = [_train(count, 10, 3, build=build, data=data) for count in (None, gpus)]
+    _assert_same(*runs)
+
+
 class _Recommender(keras.Model):
     """keras-io's collaborative filtering (RecommenderNet): `ops.tensordot(users, movies,
     2)` contracts the batch axis too, one value for the batch that every row adds."""

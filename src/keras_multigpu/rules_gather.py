@@ -84,9 +84,10 @@ def mixing_layers():
     `rules_random`'s draws, RandomGaussianBlur and RandAugment draw a shape of (2,) (the
     sigmas, the operations), which an eager replica of 1 or 2 rows takes for a draw per row
     (`rules_random.batch_draw`), and AugMix chooses its operations with Python's `random`.
-    Their operations refuse a batch of no rows, which a replica's share may be."""
+    Their operations refuse a batch of no rows, which a replica's share may be, and so does
+    MelSpectrogram's `stft`, whose decibel floor (`top_db`) is under the whole batch's peak."""
     names = ("MixUp", "CutMix", "RandomElasticTransform", "RandomGaussianBlur", "RandAugment",
-             "AugMix")
+             "AugMix", "MelSpectrogram")
     own = tuple(getattr(keras.layers, name) for name in names if hasattr(keras.layers, name))
     return tuple(dict.fromkeys(own + tuple(_MARKED)))
 
