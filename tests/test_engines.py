@@ -455,6 +455,36 @@ def test_a_mel_spectrogram_floored_under_the_batchs_peak_equals_one_device(gpus)
     _assert_same(*runs)
 
 
+class _Fourier(keras.layers.Layer):
+    """keras-io's FNet mixing (`ops.fft2`'s real part) beside a spectrogram by `ops.stft`."""
+
+    def call(self, x):
+        mixed = keras.ops.fft2((x, keras.ops.zeros_like(x)))[0]
+        real, imag = keras.ops.stft(keras.ops.reshape(x, (-1, 32)), 8, 4, 8)
+        spectrum = keras.ops.reshape(keras.ops.sqrt(real**2 + imag**2 + 1e-6), (-1, 45))
+        return keras.ops.concatenate([keras.ops.reshape(mixed, (-1, 32)), spectrum], -1)
+
+
+@pytest.mark.parametrize("gpus", [3])
+def test_fourier_transforms_with_a_device_left_without_rows(gpus):
+    """torch's FFTs refuse a batch of no rows, and `stft`'s reflection padding does on
+    TensorFlow and torch: 10 rows in batches of 3 leave the last batch's row to one device."""
+    x = np.random.default_rng(10).normal(size=(10, 4, 8)).astype("float32")
+
+    def build():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([keras.Input((4, 8)), keras.layers.Dense(8), _Fourier(),
+                                 keras.layers.Dense(3, activation="softmax")])
+
+    def compile(model):  # a small step: the spectra's large logits amplify rounding
+        model.compile(optimizer=keras.optimizers.SGD(0.01),
+                      loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+
+    runs = [_train(count, 10, 3, build=build, compile=compile, data=(x, np.arange(10) % 3))
+            for count in (None, gpus)]
+    _assert_same(*runs)
+
+
 class _Recommender(keras.Model):
     """keras-io's collaborative filtering (RecommenderNet): `ops.tensordot(users, movies,
     2)` contracts the batch axis too, one value for the batch that every row adds."""

@@ -14,7 +14,7 @@ import keras
 import numpy as np
 import pytest
 
-from keras_multigpu import rules
+from keras_multigpu import rules, rules_rows
 from keras_multigpu._keras import backend, base_trainer, loss_module
 
 # Rows per replica: even, uneven, and replicas left without rows (a batch smaller than the
@@ -395,12 +395,30 @@ def test_a_ctc_loss_on_a_replica_without_rows_is_empty(split):
     labels = rng.integers(1, 4, (n, 3)).astype("int32")
     output = keras.ops.softmax(rng.normal(size=(n, 6, 4)).astype("float32"))
     lengths = [np.full((n,), 3, "int32"), np.full((n,), 6, "int32")]
-    parts = _Replicas(split).run(lambda replica, rows: rules.ctc_loss(
+    parts = _Replicas(split).run(lambda replica, rows: rules_rows.ctc_loss(
         replica, backend.nn.ctc_loss, labels[rows], output[rows], lengths[0][rows],
         lengths[1][rows]))
     assert [_numpy(p).shape for p in parts] == [(k,) for k in split]
     np.testing.assert_allclose(np.concatenate([_numpy(p) for p in parts]),
                                _numpy(backend.nn.ctc_loss(labels, output, *lengths)), rtol=1e-5)
+
+
+@pytest.mark.parametrize("split", SPLITS, ids=str)
+@pytest.mark.parametrize("name", ["fft2", "rfft", "stft"])
+def test_a_transform_on_a_replica_without_rows_is_empty(split, name):
+    """torch's FFTs refuse zero rows, and so does `stft`'s reflection padding on TensorFlow
+    and torch: the replicas' transforms, in order, are one device's."""
+    n, rng = sum(split), np.random.default_rng(3)
+    signals = rng.normal(size=(n, 4, 16)).astype("float32")
+    call = {"fft2": lambda x: backend.math.fft2((x, x * 0.5)),
+            "rfft": lambda x: backend.math.rfft(x),
+            "stft": lambda x: backend.math.stft(x[:, 0], 8, 4, 8)}[name]
+    parts = _Replicas(split).run(
+        lambda replica, rows: rules_rows.transform(replica, call, signals[rows]))
+    one = call(signals)
+    for index in range(len(one)):
+        got = np.concatenate([_numpy(p[index]) for p in parts])
+        np.testing.assert_allclose(got, _numpy(one[index]), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("split", SPLITS, ids=str)

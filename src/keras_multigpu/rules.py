@@ -25,6 +25,7 @@ from typing import Any
 
 import keras
 
+from keras_multigpu import rules_rows
 from keras_multigpu._keras import backend, base_trainer, loss_module
 from keras_multigpu.rules_gather import (
     batch_contraction,
@@ -48,7 +49,6 @@ from keras_multigpu.rules_metrics import (
     wrapped_value,
 )
 from keras_multigpu.rules_random import batch_draw, categorical, dropout, random_draw
-from keras_multigpu.rules_rows import ctc_loss
 
 __all__ = [
     "Replica", "held", "weight", "share", "weigh", "weighted_scalar", "reduce_values", "apply_mask",
@@ -346,7 +346,7 @@ def table(step, call, random_module, draws, logs=None):
         (random_module, "categorical", categorical, step),
         *((cls, "call", mixing_layer, step) for cls in mixing_layers()),
         (backend.numpy, "tensordot", batch_contraction, step),
-        (backend.nn, "ctc_loss", ctc_loss, step),
+        *rules_rows.table(step),
         (base_trainer.CompileLoss, "call", compiled_loss, step),
         *((cls, "call", one_value_loss, step) for cls in loss_classes()),
         *((cls, "__call__", own_call_loss, step) for cls in loss_calls()),
