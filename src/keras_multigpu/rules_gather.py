@@ -43,6 +43,23 @@ def gather_all(replica, structure, what):
         lambda x: None if x is None else gather(replica, x, what), structure)
 
 
+def own_rows(replica, x):
+    """This replica's rows of `x`, whose rows are the global batch's."""
+    return keras.ops.take(x, keras.ops.arange(replica.k) + replica.start, axis=0)
+
+
+def on_the_batch(replica, original, holder, y_true, y_pred, **kwargs):
+    """`original(holder, y_true, y_pred, **kwargs)` (a Loss's call, a metric's update) on
+    the `y_true` and `y_pred` gathered from every replica, as one device runs it (the rules
+    suspended)."""
+    from keras_multigpu.rules import suspended  # `rules` imports this module
+
+    what = f"all-gather of the batch for {holder.name}"
+    batch = [gather_all(replica, y, what) for y in (y_true, y_pred)]
+    with suspended():
+        return original(holder, *batch, **kwargs)
+
+
 _MARKED = []  # the user's Layer classes marked with `mixes_rows`, in order
 
 
@@ -108,8 +125,7 @@ def mixing_layer(replica, original, layer, data, *args, **kwargs):
             mixed = original(layer, batch, *args, **kwargs)
     finally:
         replica.k, replica.start = k, start
-    rows = keras.ops.arange(k) + start
-    return keras.tree.map_structure(lambda x: keras.ops.take(x, rows, axis=0), mixed)
+    return keras.tree.map_structure(lambda x: own_rows(replica, x), mixed)
 
 
 @contextlib.contextmanager
@@ -283,43 +299,31 @@ def one_value_loss(replica, original, loss, y_true, y_pred):
     does (the rules suspended: a Loss it calls sees the whole batch); the gather's gradient
     hands each replica its rows' part of it. Which losses return one value: `one_value`.
     """
-    from keras_multigpu.rules import suspended
-
     if not getattr(_compiled, "on", False):
         return original(loss, y_true, y_pred)
-    if getattr(loss, "fn", None) in _pairing_losses():
+    if getattr(loss, "fn", None) in _PAIRING:
         return _rows_of_the_batch(replica, original, loss, y_true, y_pred)
     values = original(loss, y_true, y_pred)
     if not one_value(replica, loss, values, (y_true, y_pred), lambda p: original(loss, *p)):
         return values
-    what = f"all-gather of the batch for {loss.name}"
-    batch = [gather_all(replica, y, what) for y in (y_true, y_pred)]
-    with suspended():
-        value = original(loss, *batch)
+    value = on_the_batch(replica, original, loss, y_true, y_pred)
     replica.results.append(value)  # the batch's already
     return value
 
 
-def _pairing_losses():
-    """Keras's loss functions whose value for a row depends on every row of the batch:
-    `circle` compares each row's embedding with every other row's."""
-    return tuple(f for f in (getattr(keras.losses, "circle", None),) if f is not None)
+# Keras's loss functions whose value for a row depends on every row of the batch: `circle`
+# compares each row's embedding with every other row's.
+_PAIRING = tuple(f for f in (getattr(keras.losses, "circle", None),) if f is not None)
 
 
 def _rows_of_the_batch(replica, original, loss, y_true, y_pred):
-    """A `_pairing_losses` loss: its values for the gathered batch, computed as one device
-    does (the rules suspended), of which each replica keeps its own rows' and their mask
-    (the gather's gradient hands each replica its rows' part of the others')."""
-    from keras_multigpu.rules import suspended
-
-    what = f"all-gather of the batch for {loss.name}"
-    batch = [gather_all(replica, y, what) for y in (y_true, y_pred)]
-    with suspended():
-        values = original(loss, *batch)
-    rows = keras.ops.arange(replica.k) + replica.start
-    mine, mask = keras.ops.take(values, rows, axis=0), backend.get_keras_mask(values)
+    """A `_PAIRING` loss: its values for the gathered batch (`on_the_batch`), of which each
+    replica keeps its own rows' and their mask (the gather's gradient hands each replica
+    its rows' part of the others')."""
+    values = on_the_batch(replica, original, loss, y_true, y_pred)
+    mine, mask = own_rows(replica, values), backend.get_keras_mask(values)
     if mask is not None:  # circle masks its rows of no loss: Keras's mean leaves them out
-        backend.set_keras_mask(mine, keras.ops.take(mask, rows, axis=0))
+        backend.set_keras_mask(mine, own_rows(replica, mask))
     return mine
 
 

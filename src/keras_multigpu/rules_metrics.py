@@ -9,7 +9,7 @@ import keras
 
 from keras_multigpu import _keras
 from keras_multigpu._keras import base_trainer
-from keras_multigpu.rules_gather import classes_defining, gather_all, one_value
+from keras_multigpu.rules_gather import classes_defining, on_the_batch, one_value
 
 # The `MeanMetricWrapper` whose update is under way in this thread (`wrapped_update`).
 _updating = threading.local()
@@ -74,7 +74,7 @@ def wrapped_update(replica, original, metric, y_true, y_pred, sample_weight=None
     updates add one device's value once. Keras's `Mean` would average the replicas' own
     values (a replica of no rows: 0 / 0). `wrapped_value` decides, where the update reaches
     `Mean.update_state`; any other update is Keras's own."""
-    from keras_multigpu.rules import suspended, weight
+    from keras_multigpu.rules import weight
 
     if sample_weight is not None:
         return original(metric, y_true, y_pred, sample_weight)
@@ -86,10 +86,8 @@ def wrapped_update(replica, original, metric, y_true, y_pred, sample_weight=None
         _updating.call = before
     if not call["one"]:
         return result
-    what = f"all-gather of the batch for {metric.name}"
-    batch = [gather_all(replica, y, what) for y in (y_true, y_pred)]
-    with suspended():
-        return original(metric, *batch, sample_weight=weight(replica, metric.dtype))
+    return on_the_batch(replica, original, metric, y_true, y_pred,
+                        sample_weight=weight(replica, metric.dtype))
 
 
 def updating(metric):

@@ -8,7 +8,7 @@ import inspect
 import keras
 
 from keras_multigpu._keras import seed_generator
-from keras_multigpu.rules_gather import gather, rows_of, voted
+from keras_multigpu.rules_gather import gather, own_rows, rows_of, voted
 
 
 class Drawn(seed_generator.SeedGenerator):
@@ -111,7 +111,7 @@ def categorical(replica, original, *args, **kwargs):
     if _seeded(seed):
         arguments["seed"] = Drawn(seed_generator.draw_seed(seed))
     drawn = original(**arguments)
-    return keras.ops.take(drawn, keras.ops.arange(replica.k) + replica.start, axis=0)
+    return own_rows(replica, drawn)
 
 
 def _per_row(value, shape):
