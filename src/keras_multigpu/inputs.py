@@ -81,50 +81,70 @@ def as_padded(x, y=None, sample_weight=None, *, batch_size=None, replicas, tag,
     options = {"engine_state": engine_state, "set_engine_state": set_engine_state,
                "to_backend": to_backend}
     if not _is_array_like(x):
-        if isinstance(x, (dict, list, tuple)):
-            raise TypeError(
-                "x must be arrays (NumPy, JAX, TensorFlow or PyTorch tensors, or a "
-                "dict/list of them), a keras.utils.PyDataset, a generator, or a "
-                f"dataset of known length. Received: x of type {type(x).__name__}."
-            )
-        for name, value in (("y", y), ("sample_weight", sample_weight)):
-            if value is not None:
-                raise ValueError(
-                    f"When x is a {type(x).__name__}, it must yield the targets "
-                    f"and sample weights itself; {name} must be None. "
-                    f"Received: {name} of type {type(value).__name__}."
-                )
-        if drop_remainder:
+        feed = _stream_feed(x, y, sample_weight, replicas=replicas, tag=tag, text=text,
+                            options=options, batch_size=batch_size, shuffle=shuffle,
+                            class_weight=class_weight, drop_remainder=drop_remainder,
+                            steps_per_epoch=steps_per_epoch)
+    else:
+        feed = _array_feed(x, y, sample_weight, replicas=replicas, tag=tag, text=text,
+                           options=options, batch_size=batch_size, shuffle=shuffle,
+                           class_weight=class_weight, drop_remainder=drop_remainder,
+                           steps_per_epoch=steps_per_epoch, place=place, put=put)
+    return feed, feed
+
+
+def _stream_feed(x, y, sample_weight, *, replicas, tag, text, options, batch_size, shuffle,
+                 class_weight, drop_remainder, steps_per_epoch):
+    """A `Feed` of a stream (PyDataset, generator, tf.data, DataLoader) read by Keras's adapter."""
+    if isinstance(x, (dict, list, tuple)):
+        raise TypeError(
+            "x must be arrays (NumPy, JAX, TensorFlow or PyTorch tensors, or a "
+            "dict/list of them), a keras.utils.PyDataset, a generator, or a "
+            f"dataset of known length. Received: x of type {type(x).__name__}."
+        )
+    for name, value in (("y", y), ("sample_weight", sample_weight)):
+        if value is not None:
             raise ValueError(
-                "drop_remainder=True applies to array inputs. A "
-                f"{type(x).__name__} decides its own batches: make it yield "
-                "full batches only."
+                f"When x is a {type(x).__name__}, it must yield the targets "
+                f"and sample weights itself; {name} must be None. "
+                f"Received: {name} of type {type(value).__name__}."
             )
-        try:
-            inner = data_adapters.get_data_adapter(
-                _checked_generator(x), batch_size=batch_size, steps_per_epoch=steps_per_epoch,
-                shuffle=shuffle, class_weight=class_weight)
-        except ValueError as error:
-            if "Unrecognized data type" not in str(error):
-                raise
-            inner = None
-        if inner is None and hasattr(x, "__iter__") and hasattr(x, "__len__"):
-            if class_weight is not None:
-                raise ValueError(
-                    f"class_weight applies to array inputs; a {type(x).__name__} must yield "
-                    "sample weights itself. Received: class_weight with an iterable x."
-                )
-            inner = _Iterable(x)
-        if inner is None:
-            raise TypeError(
-                "x must be arrays (NumPy, JAX, TensorFlow or PyTorch tensors, or a "
-                "dict/list of them), a keras.utils.PyDataset, a generator, or a "
-                f"dataset of known length. Received: x of type {type(x).__name__}."
-            ) from None
-        feed = Feed(inner, lambda batch: _stream_server(batch, replicas, tag, text),
-                    replicas=replicas, **options)
-        feed.source = x
-        return feed, feed
+    if drop_remainder:
+        raise ValueError(
+            "drop_remainder=True applies to array inputs. A "
+            f"{type(x).__name__} decides its own batches: make it yield "
+            "full batches only."
+        )
+    try:
+        inner = data_adapters.get_data_adapter(
+            _checked_generator(x), batch_size=batch_size, steps_per_epoch=steps_per_epoch,
+            shuffle=shuffle, class_weight=class_weight)
+    except ValueError as error:
+        if "Unrecognized data type" not in str(error):
+            raise
+        inner = None
+    if inner is None and hasattr(x, "__iter__") and hasattr(x, "__len__"):
+        if class_weight is not None:
+            raise ValueError(
+                f"class_weight applies to array inputs; a {type(x).__name__} must yield "
+                "sample weights itself. Received: class_weight with an iterable x."
+            )
+        inner = _Iterable(x)
+    if inner is None:
+        raise TypeError(
+            "x must be arrays (NumPy, JAX, TensorFlow or PyTorch tensors, or a "
+            "dict/list of them), a keras.utils.PyDataset, a generator, or a "
+            f"dataset of known length. Received: x of type {type(x).__name__}."
+        ) from None
+    feed = Feed(inner, lambda batch: _stream_server(batch, replicas, tag, text),
+                replicas=replicas, **options)
+    feed.source = x
+    return feed
+
+
+def _array_feed(x, y, sample_weight, *, replicas, tag, text, options, batch_size, shuffle,
+                class_weight, drop_remainder, steps_per_epoch, place, put):
+    """A `Feed` of arrays: their rows' order from Keras's own array adapter, then gathered."""
     rows = _num_rows(x, "x")
     check_dtypes(x, "x", text)
     check_dtypes(y, "y", text)
@@ -168,7 +188,7 @@ def as_padded(x, y=None, sample_weight=None, *, batch_size=None, replicas, tag,
     feed = Feed(inner, serve, replicas=replicas, num_batches=batches.num_batches,
                 arrays=(x, y, sample_weight), resident=take is not None,
                 prefetch=put is not None and shuffle != "batch", **options)
-    return feed, feed
+    return feed
 
 
 def _first_batch_checked(first):
