@@ -1469,9 +1469,7 @@ def test_mixed_float16_equals_one_device_where_nothing_overflows(gpus):
     """Keras's mixed_float16 wraps the optimizer in a LossScaleOptimizer, whose apply checks
     the gradients and picks a step or a skip with `ops.cond` (on TensorFlow it failed across
     replicas: "merge_call called while defining a new graph"). With a scale under which
-    nothing overflows, every step is taken, as on one device, within float16's precision.
-    Where float16 overflows, a replica's backward pass carries its rows' gradients n/k times
-    one device's, so it overflows sooner (docs/engines.md)."""
+    nothing overflows, every step is taken, as on one device, within float16's precision."""
     x, y = _data(29)
     results = []
     keras.config.set_dtype_policy("mixed_float16")
@@ -1492,6 +1490,48 @@ def test_mixed_float16_equals_one_device_where_nothing_overflows(gpus):
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-3)
     for a, b in zip(ref_weights, weights):
         np.testing.assert_allclose(b, a, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("gpus", [3])
+def test_mixed_float16_replicas_of_few_rows_skip_the_steps_one_device_skips(gpus):
+    """Under mixed_float16 at Keras's own loss scale (2 ** 15), a replica weighs its loss by
+    k / n before its backward pass, as one device's loss holds its rows: its float16
+    gradients are then one device's. Weighed after it, a replica of one row in 4
+    backpropagated 4 times one device's gradients, which overflowed float16 where one
+    device's did not: the step was skipped and the scale halved (TensorFlow at the second
+    step, torch at the sixth; weights 0.06 apart), and the gradient through
+    BatchNormalization's moments, summed across replicas, has to follow the same weighing
+    (the first step's kernel gradient was 0.02 off)."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(11, 5)).astype("float32"), rng.integers(0, 3, 11)
+
+    def build():
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((5,))
+        hidden = keras.layers.BatchNormalization()(keras.layers.Dense(8)(inputs))
+        hidden = keras.layers.Dense(3)(keras.layers.Activation("relu")(hidden))
+        return keras.Model(inputs, keras.layers.Activation("softmax", dtype="float32")(hidden))
+
+    results = []
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        for count in (None, gpus):
+            model = build()
+            target = model if count is None else kmg.multi_gpu_model(model, gpus=count)
+            target.compile(optimizer=keras.optimizers.SGD(0.1),
+                           loss="sparse_categorical_crossentropy")
+            history = target.fit(x, y, batch_size=4, epochs=3, verbose=0, shuffle=False)
+            optimizer = target.optimizer
+            results.append((model.get_weights(), history.history["loss"],
+                            float(keras.ops.convert_to_numpy(optimizer.dynamic_scale)),
+                            int(keras.ops.convert_to_numpy(optimizer.inner_optimizer.iterations))))
+    finally:
+        keras.config.set_dtype_policy("float32")
+    (ref_weights, ref_loss, *ref_state), (weights, loss, *state) = results
+    assert state == ref_state == [2.0 ** 15, 9]  # no step skipped, on either
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-3)
+    for a, b in zip(ref_weights, weights):
+        np.testing.assert_allclose(b, a, rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.skipif(BACKEND != "torch", reason="torch's ranks check their gradients "

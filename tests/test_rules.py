@@ -634,9 +634,12 @@ def _input_gradient(function, x):
 
 
 @pytest.mark.parametrize("split", SPLITS, ids=str)
-def test_batchnorm_gradients_weighed_by_rows_are_one_devices(split):
+@pytest.mark.parametrize("scaled", [False, True], ids=["weighed-after", "loss-scaled"])
+def test_batchnorm_gradients_weighed_by_rows_are_one_devices(split, scaled):
     """The gradient crosses replicas through the moments' all-reduce: each row's gradient,
-    weighed by its replica's k / n, is one device's."""
+    weighed by its replica's k / n, is one device's. A loss scaler's loss (`scaled_loss`,
+    mixed_float16's) is weighed by k / n before the backward pass instead: the gradients
+    (`weigh_gradient`) are then one device's as they come."""
     n = sum(split)
     rng = np.random.default_rng(5)
     x = rng.normal(size=(n, 3)).astype("float32")
@@ -645,20 +648,27 @@ def test_batchnorm_gradients_weighed_by_rows_are_one_devices(split):
     layer = keras.layers.BatchNormalization()
     layer.build(x.shape)
 
-    def loss(moments, rows):
+    def loss(moments, rows, scale=lambda value: value):
         def function(x):
             mean, variance = moments(x)
             normalised = (x - mean) / keras.ops.sqrt(variance + 1e-3)
-            return keras.ops.sum(keras.ops.tanh(normalised) * projection) / max(rows, 1)
+            return scale(keras.ops.sum(keras.ops.tanh(normalised) * projection) / max(rows, 1))
         return function
 
+    def part(replica, rows):
+        k = rows.stop - rows.start
+        moments = lambda x: rules.moments(replica, original, layer, x, None)  # noqa: E731
+        if not scaled:
+            return (k / n) * _input_gradient(loss(moments, k), x[rows])
+        scale = lambda value: rules.scaled_loss(  # noqa: E731
+            replica, lambda optimizer, value: value * 1024.0, None, value)
+        gradient = _input_gradient(loss(moments, k, scale), x[rows])
+        return _numpy(rules.weigh_gradient(replica, keras.ops.convert_to_tensor(gradient)))
+
     one = _input_gradient(loss(lambda x: original(layer, x, None), n), x)
-    replicas = _Replicas(split)
-    parts = replicas.run(lambda replica, rows: _input_gradient(
-        loss(lambda x: rules.moments(replica, original, layer, x, None),
-             rows.stop - rows.start), x[rows]))
-    weighed = np.concatenate([(k / n) * part for k, part in zip(split, parts)])
-    np.testing.assert_allclose(weighed, one, rtol=1e-4, atol=1e-6)
+    parts = _Replicas(split).run(part)
+    np.testing.assert_allclose(np.concatenate(parts), one * (1024.0 if scaled else 1.0),
+                               rtol=1e-4, atol=1e-6 * (1024.0 if scaled else 1.0))
 
 
 @pytest.mark.parametrize("split", SPLITS, ids=str)

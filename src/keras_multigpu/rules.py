@@ -49,14 +49,23 @@ from keras_multigpu.rules_metrics import (
     wrapped_value,
 )
 from keras_multigpu.rules_random import batch_draw, categorical, dropout, random_draw
+from keras_multigpu.rules_weights import (
+    held,
+    scaled_loss,
+    share,
+    weigh,
+    weigh_gradient,
+    weight,
+    weighted_sum,
+)
 
 __all__ = [
-    "Replica", "held", "weight", "share", "weigh", "weighted_scalar", "reduce_values", "apply_mask",
-    "additional_loss", "mean_update", "weighted_sum", "moments", "batch_draw", "random_draw",
-    "dropout", "categorical", "mixing_layer", "batch_contraction", "compiled_loss",
-    "one_value_loss", "own_call_loss", "global_result", "metrics_result", "generic_metrics_result",
-    "own_logs", "wrapped_update", "metrics_owner", "metric_classes", "table", "installed",
-    "suspended"]
+    "Replica", "held", "weight", "share", "weigh", "weigh_gradient", "scaled_loss",
+    "weighted_scalar", "reduce_values", "apply_mask", "additional_loss", "mean_update",
+    "weighted_sum", "moments", "batch_draw", "random_draw", "dropout", "categorical",
+    "mixing_layer", "batch_contraction", "compiled_loss", "one_value_loss", "own_call_loss",
+    "global_result", "metrics_result", "generic_metrics_result", "own_logs", "wrapped_update",
+    "metrics_owner", "metric_classes", "table", "installed", "suspended"]
 
 
 @dataclasses.dataclass
@@ -83,6 +92,7 @@ class Replica:
         reduced: gradients summed across replicas where the step took them (TensorFlow's
             tape, a torch backward pass), which the optimizer's apply takes as they are.
         own_step: whether Keras's own `train_step` runs (torch overlaps its all-reduce).
+        weighed: set by `scaled_loss`: the step's loss is weighed by k / n already.
     """
 
     k: Any
@@ -96,31 +106,7 @@ class Replica:
     results: list = dataclasses.field(default_factory=list)
     reduced: list = dataclasses.field(default_factory=list)
     own_step: bool = False
-
-
-def held(replica, grads):
-    """Whether `grads` are all gradients this step all-reduced where it took them
-    (`Replica.reduced`; a step may have changed them in place since: a scale, a clip)."""
-    reduced = {id(g) for g in replica.reduced}  # the list keeps them alive: ids are theirs
-    return bool(reduced) and all(g is None or id(g) in reduced for g in grads)
-
-
-def weight(replica, dtype="float32"):
-    """k / n, in `dtype` (0 for a replica without rows)."""
-    return keras.ops.divide_no_nan(keras.ops.cast(replica.k, dtype),
-                                   keras.ops.cast(replica.n, dtype))
-
-
-def share(replica, dtype):
-    """n / k: turns this replica's part of a sum into the term the rule weighs."""
-    return keras.ops.divide_no_nan(keras.ops.cast(replica.n, dtype),
-                                   keras.ops.cast(keras.ops.maximum(replica.k, 1), dtype))
-
-
-def weigh(replica, gradient):
-    """A gradient of this replica's mean loss times k / n; 0 without rows (mean maybe NaN)."""
-    w = weight(replica, gradient.dtype)
-    return keras.ops.where(w > 0, gradient * w, keras.ops.zeros_like(gradient))
+    weighed: bool = False
 
 
 def reduce_values(replica, original, values, sample_weight=None,
@@ -254,30 +240,6 @@ def mean_update(replica, original, metric, values, sample_weight=None):
     return original(metric, values, sample_weight=sample_weight)
 
 
-def weighted_sum(replica, value, what="all-reduce of BatchNormalization's moments"):
-    """The sum of `value` across replicas, whose gradient keeps the rule.
-
-    Each replica's gradient is weighed by k_r / n after its backward pass (`weigh`), but
-    a gradient that crosses replicas here comes from every replica's loss: the upstream
-    gradients are weighed by their own k_s / n before they are summed, and multiplied by
-    n / k_r, which the later weighing by k_r / n undoes.
-    """
-
-    @keras.ops.custom_gradient
-    def reduce(value):
-        def grad(*args, upstream=None):
-            if upstream is None:
-                (upstream,) = args
-            w = weight(replica, upstream.dtype)
-            summed = replica.all_reduce([upstream * w], f"{what} (backward)")[0]
-            return keras.ops.where(w > 0, summed * share(replica, summed.dtype),
-                                   keras.ops.zeros_like(summed))
-
-        return replica.all_reduce([value], what)[0], grad
-
-    return reduce(value)
-
-
 def moments(replica, original, layer, inputs, mask):
     """BatchNormalization's `_moments` (`original`, Keras's formulas) over the real rows
     of every replica, with one all-reduce forward and one backward.
@@ -341,6 +303,7 @@ def table(step, call, random_module, draws, logs=None):
         (keras.metrics.Mean, "update_state", mean_update, step),
         (keras.metrics.MeanMetricWrapper, "update_state", wrapped_update, step),
         (keras.layers.BatchNormalization, "_moments", moments, step),
+        (keras.optimizers.LossScaleOptimizer, "scale_loss", scaled_loss, step),
         *((random_module, name, random_draw, step) for name in draws),
         (random_module, "dropout", dropout, step),
         (random_module, "categorical", categorical, step),

@@ -10,6 +10,7 @@ import threading
 import keras
 
 from keras_multigpu._keras import backend, base_trainer
+from keras_multigpu.rules_weights import weighted_sum
 
 # Set while the loss a model compiles runs: its Losses see the batch's rows.
 _compiled = threading.local()
@@ -20,7 +21,6 @@ def gather(replica, x, what):
     its rows with zeros to the n rows of the batch, and one all-reduce sums them
     (`rules.weighted_sum`, whose gradient keeps the rule). The padding keeps a replica of
     no rows in the gradient's graph, so that its backward pass joins the all-reduce too."""
-    from keras_multigpu.rules import weighted_sum  # `rules` imports this module
 
     x = keras.ops.convert_to_tensor(x)
     dtype = keras.backend.standardize_dtype(x.dtype)

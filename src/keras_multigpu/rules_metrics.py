@@ -10,6 +10,7 @@ import keras
 from keras_multigpu import _keras
 from keras_multigpu._keras import base_trainer
 from keras_multigpu.rules_gather import classes_defining, on_the_batch, one_value
+from keras_multigpu.rules_weights import weigh, weight
 
 # The `MeanMetricWrapper` whose update is under way in this thread (`wrapped_update`).
 _updating = threading.local()
@@ -74,7 +75,6 @@ def wrapped_update(replica, original, metric, y_true, y_pred, sample_weight=None
     updates add one device's value once. Keras's `Mean` would average the replicas' own
     values (a replica of no rows: 0 / 0). `wrapped_value` decides, where the update reaches
     `Mean.update_state`; any other update is Keras's own."""
-    from keras_multigpu.rules import weight
 
     if sample_weight is not None:
         return original(metric, y_true, y_pred, sample_weight)
@@ -123,7 +123,6 @@ def own_logs(replica, logs):
            and keras.backend.standardize_dtype(value.dtype).startswith(("float", "bfloat"))}
     if not own:
         return logs
-    from keras_multigpu.rules import weigh  # `rules` imports this module
 
     weighed = [weigh(replica, keras.ops.cast(keras.ops.stop_gradient(v), "float32"))
                for v in own.values()]

@@ -76,11 +76,11 @@ def all_reduce(values, what):
 
 
 def _weighed(replica, gradient):
-    """`rules.weigh`, kept sparse where the gradient is, as one device's is."""
+    """`rules.weigh_gradient`, kept sparse where the gradient is, as one device's is."""
     if isinstance(gradient, tf.IndexedSlices):
         return tf.IndexedSlices(_weighed(replica, gradient.values), gradient.indices,
                                 gradient.dense_shape)
-    return rules.weigh(replica, gradient)
+    return rules.weigh_gradient(replica, gradient)
 
 
 def _fixed_rows(gradient):

@@ -41,7 +41,7 @@ def backward(replica, original, tensors, *args, **kwargs):
         from keras_multigpu.backends import torch as engine  # it imports this module
 
         with torch.no_grad():
-            summed = engine._flat_all_reduce([rules.weigh(replica, g) for g in grads],
+            summed = engine._flat_all_reduce([rules.weigh_gradient(replica, g) for g in grads],
                                              "all-reduce of the gradients")
             for g, s in zip(grads, summed):
                 g.copy_(s)

@@ -4,7 +4,7 @@ A `Reducer` splits an optimizer's variables into DDP's buckets (torch's own assi
 about 25 MiB each, a small last one, in reverse order, so that the first to fill is the
 last layer's). A hook on each parameter (`register_post_accumulate_grad_hook`) notes its
 gradient once the backward pass has accumulated it; a bucket whose gradients are all
-there is weighed by k / n (`rules.weigh`) and all-reduced asynchronously while the
+there is weighed by k / n (`rules.weigh_gradient`) and all-reduced asynchronously while the
 backward pass goes on, buckets in the same order on every process. `Optimizer.apply`
 then waits for them (`take`) and applies the sums.
 
@@ -96,7 +96,7 @@ class Reducer:
                 return
             parts = [self.seen[i][0].reshape(-1) if i in self.seen else
                      torch.zeros_like(self.params[i]).reshape(-1) for i in bucket]
-            flat = rules.weigh(self.replica, torch.cat(parts))
+            flat = rules.weigh_gradient(self.replica, torch.cat(parts))
             work = self.collective("all-reduce of the gradients", dist.all_reduce, flat,
                                    async_op=True)
             self.works.append((b, flat, work))

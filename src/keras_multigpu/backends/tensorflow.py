@@ -10,7 +10,7 @@ replica context's all-reduce (the torch engine keeps the same rules):
 
 where k_r is replica r's real rows and n the global batch's. Here, beside them:
 
-- gradients are weighed (`rules.weigh`, kept sparse where they are) and all-reduced once,
+- gradients are weighed (`rules.weigh_gradient`, kept sparse where they are) and all-reduced once,
   before the optimizer clips, accumulates or applies them (Keras's own sum is then
   skipped), so a custom `train_step` with its own mean loss is exact;
 - Keras's 1/R loss scaling is off (the weights replace it);

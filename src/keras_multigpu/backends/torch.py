@@ -11,7 +11,7 @@ collectives as their all-reduce:
 
     one device's value = sum over ranks r of (k_r / n) * value_r
 
-Gradients are weighed by k_r / n (`rules.weigh`) and all-reduced before the optimizer
+Gradients are weighed by k_r / n (`rules.weigh_gradient`) and all-reduced before the optimizer
 clips, accumulates or applies them, so a custom `train_step` with its own mean loss is
 exact: in DDP's buckets during the backward pass (`_torch_reducer`), or, for a step that
 hands `apply` other gradients than the backward pass left, at `apply`. The rules module
@@ -287,7 +287,7 @@ def _logs():
 
 
 def _apply(replica, original, self, grads, trainable_variables=None):
-    """The gradients weighed by k / n (`rules.weigh`) and all-reduced, then the optimizer's
+    """The gradients weighed by k / n (`rules.weigh_gradient`) and all-reduced, then the optimizer's
     own apply. The optimizer's first step all-reduces them here, and sets up a `Reducer`
     whose buckets later steps all-reduce during their backward pass (Keras's own step).
     A user's step has all-reduced them at its backward pass (`_torch_grads`)."""
@@ -301,7 +301,7 @@ def _apply(replica, original, self, grads, trainable_variables=None):
         present = [i for i, g in enumerate(grads) if g is not None]
         reduced = list(grads)
         if present:
-            weighed = [rules.weigh(replica, grads[i]) for i in present]
+            weighed = [rules.weigh_gradient(replica, grads[i]) for i in present]
             for i, g in zip(present, _flat_all_reduce(weighed, "all-reduce of the gradients")):
                 reduced[i] = g
         if reducer is None and trainable_variables is not None and replica.own_step:

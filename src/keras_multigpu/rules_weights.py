@@ -1,0 +1,77 @@
+"""The rule's weights, k / n, and the gradients' weighing by them: after a replica's
+backward pass (`weigh_gradient`), before it (`scaled_loss`, a loss scaler's), and through a sum
+across replicas (`weighted_sum`). Rules of `rules.table`; see `rules` for the rule."""
+
+import keras
+
+
+def held(replica, grads):
+    """Whether `grads` are all gradients this step all-reduced where it took them
+    (`Replica.reduced`; a step may have changed them in place since: a scale, a clip)."""
+    reduced = {id(g) for g in replica.reduced}  # the list keeps them alive: ids are theirs
+    return bool(reduced) and all(g is None or id(g) in reduced for g in grads)
+
+
+def weight(replica, dtype="float32"):
+    """k / n, in `dtype` (0 for a replica without rows)."""
+    return keras.ops.divide_no_nan(keras.ops.cast(replica.k, dtype),
+                                   keras.ops.cast(replica.n, dtype))
+
+
+def share(replica, dtype):
+    """n / k: turns this replica's part of a sum into the term the rule weighs."""
+    return keras.ops.divide_no_nan(keras.ops.cast(replica.n, dtype),
+                                   keras.ops.cast(keras.ops.maximum(replica.k, 1), dtype))
+
+
+def weigh(replica, value):
+    """A value of this replica's mean (a loss, its gradient) times k / n; 0 without rows
+    (a mean over no rows may be NaN)."""
+    w = weight(replica, value.dtype)
+    return keras.ops.where(w > 0, value * w, keras.ops.zeros_like(value))
+
+
+def weigh_gradient(replica, gradient):
+    """`weigh` of a gradient of this replica's mean loss; of a loss weighed before its
+    backward pass (`scaled_loss`), the gradient as it is."""
+    if not replica.weighed:
+        return weigh(replica, gradient)
+    return keras.ops.where(weight(replica, gradient.dtype) > 0, gradient,
+                           keras.ops.zeros_like(gradient))
+
+
+def scaled_loss(replica, original, optimizer, loss):
+    """`LossScaleOptimizer.scale_loss` (mixed_float16), weighed by k / n before the
+    backward pass: its float16 gradients are then as large as one device's, where a replica
+    of k rows in n backpropagated n / k times one device's and overflowed where one device
+    did not, skipping a step one device took. `weigh_gradient` then leaves them as they are."""
+    replica.weighed = True
+    loss = original(optimizer, loss)
+    return loss * weight(replica, loss.dtype)
+
+
+def weighted_sum(replica, value, what="all-reduce of BatchNormalization's moments"):
+    """The sum of `value` across replicas, whose gradient keeps the rule.
+
+    Each replica's gradient is weighed by k_r / n after its backward pass (`weigh_gradient`),
+    but a gradient that crosses replicas here comes from every replica's loss: the upstream
+    gradients are weighed by their own k_s / n before they are summed, and multiplied by
+    n / k_r, which the later weighing by k_r / n undoes. (Of a loss weighed before its
+    backward pass, `scaled_loss`, they are summed as they are.)
+    """
+
+    @keras.ops.custom_gradient
+    def reduce(value):
+        def grad(*args, upstream=None):
+            if upstream is None:
+                (upstream,) = args
+            w = weight(replica, upstream.dtype)
+            if replica.weighed:  # each upstream is weighed already, and is left so
+                return replica.all_reduce([upstream], f"{what} (backward)")[0]
+            summed = replica.all_reduce([upstream * w], f"{what} (backward)")[0]
+            return keras.ops.where(w > 0, summed * share(replica, summed.dtype),
+                                   keras.ops.zeros_like(summed))
+
+        return replica.all_reduce([value], what)[0], grad
+
+    return reduce(value)
