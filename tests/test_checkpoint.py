@@ -8,9 +8,11 @@ a run that was never interrupted.
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import zipfile
 
 import keras
 import numpy as np
@@ -226,6 +228,57 @@ def test_a_damaged_checkpoint_is_named_and_the_one_before_is_used(tmp_path):
     with pytest.warns(UserWarning, match="ckpt-000000010 cannot be read"):
         parallel.fit(*DATA, batch_size=8, epochs=2, verbose=0, callbacks=[checkpoint])
     assert checkpoint.resumed_from == str(tmp_path / "ckpt-000000005")
+
+
+def _edited_state(folder, **changes):
+    state = json.loads((folder / "state.json").read_text())
+    state.update(changes)
+    (folder / "state.json").write_text(json.dumps({k: v for k, v in state.items()
+                                                   if v is not _DROP}))
+
+
+_DROP = object()
+DAMAGES = {  # whole files that hold the wrong things (a hand edit, a copy gone wrong)
+    "state of a list": lambda c: (c / "state.json").write_text("[]"),
+    "an epoch of text": lambda c: _edited_state(c, epoch="one"),
+    "no step": lambda c: _edited_state(c, step=_DROP),
+    "a model without weights": lambda c: zipfile.ZipFile(c / "model.keras", "w").close(),
+    "no arrays": lambda c: np.savez(c / "arrays.npz"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_checkpoint_whose_files_hold_the_wrong_things_is_named_and_passed_over(
+        tmp_path, damage):
+    """Read as damaged, named in a warning, and the checkpoint before it used: fit failed
+    with an AttributeError (a list), a TypeError (text), a bare KeyError (no step, and
+    zipfile's for no weights), and arrays.npz emptied of the data's order and the metrics
+    resumed the epoch with other logs and no warning (state.json lists what it holds)."""
+    _, parallel = _model()
+    parallel.fit(*DATA, batch_size=8, epochs=1, verbose=0,
+                 callbacks=[Checkpoint(tmp_path, save_freq=2, keep=5)])
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-000000002", "ckpt-000000004",
+                                            "ckpt-000000005"]
+    shutil.rmtree(tmp_path / "ckpt-000000005")
+    DAMAGES[damage](tmp_path / "ckpt-000000004")  # mid-epoch: it has the data's order
+    checkpoint = Checkpoint(tmp_path, save_freq=2, keep=5)
+    with pytest.warns(UserWarning, match="ckpt-000000004 cannot be read"):
+        parallel.fit(*DATA, batch_size=8, epochs=1, verbose=0, callbacks=[checkpoint])
+    assert checkpoint.resumed_from == str(tmp_path / "ckpt-000000002")
+
+
+def test_a_file_in_a_checkpoints_place_is_removed_when_retired(tmp_path):
+    """A file named as a checkpoint is passed over, then retired as the oldest: removed,
+    where the folders' removal left it under a hidden name for good."""
+    (tmp_path / "ckpt-000000001").write_text("not a checkpoint")
+    _, parallel = _model()
+    with pytest.warns(UserWarning, match="ckpt-000000001 cannot be read"), pytest.raises(
+            CheckpointError, match="No checkpoint in .* can be read"):
+        parallel.fit(*DATA, batch_size=8, epochs=1, verbose=0,
+                     callbacks=[Checkpoint(tmp_path, keep=1)])
+    parallel.fit(*DATA, batch_size=8, epochs=1, verbose=0,
+                 callbacks=[Checkpoint(tmp_path, keep=1, resume=False)])
+    assert os.listdir(tmp_path) == ["ckpt-000000005"]
 
 
 def test_only_damaged_checkpoints_stop_fit_with_their_names(tmp_path):

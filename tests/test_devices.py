@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 import keras_multigpu
@@ -57,6 +58,14 @@ def test_select_returns_the_available_records_themselves():
     chosen = select([1], FOUR)
     assert chosen[0] is FOUR[1]
     assert chosen[0].memory_bytes == 16 * 2**30
+
+
+def test_numpy_integers_count_and_name_devices_as_ints_do():
+    """A count or ids read from an array (np.int64) were refused as of type int64."""
+    assert ids(select(np.int64(2), FOUR)) == [0, 1]
+    assert ids(select([np.int32(3), np.int64(1)], FOUR)) == [3, 1]
+    with pytest.raises(ValueError, match="gpus=5 but"):
+        select(np.int64(5), FOUR)
 
 
 def test_select_on_this_process_devices():

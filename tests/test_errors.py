@@ -2,6 +2,7 @@
 engine; on torch each test runs in TORCH_WORLD processes, each wrapping its own model."""
 
 import re
+import zipfile
 
 import keras
 import numpy as np
@@ -241,6 +242,13 @@ def test_save_weights_refuses_another_suffix(parallel, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("method, suffix", [("save", ".keras"), ("save_weights", ".weights.h5")])
+def test_a_path_that_is_not_one_is_refused(parallel, method, suffix):
+    with pytest.raises(TypeError, match=rf"must be a path ending in '{re.escape(suffix)}'\. "
+                                        r"Received: filepath=None of type NoneType"):
+        getattr(parallel, method)(None)
+
+
 def test_save_without_overwrite_onto_an_existing_file(parallel, tmp_path):
     target = tmp_path / "model.keras"
     target.write_bytes(b"keep me")
@@ -379,8 +387,11 @@ def test_class_weight_naming_no_class_warns(parallel):
 # -- damaged and unwritable files ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["truncated.weights.h5", "junk.weights.h5", "truncated.keras"])
+@pytest.mark.parametrize("name", ["truncated.weights.h5", "junk.weights.h5", "truncated.keras",
+                                  "empty.keras"])
 def test_a_damaged_weights_file_is_named(parallel, tmp_path, name):
+    """Including a whole zip without Keras's weights in it (empty.keras), which failed with
+    zipfile's bare KeyError."""
     good = tmp_path / ("good.keras" if name.endswith(".keras") else "good.weights.h5")
     if name.endswith(".keras"):
         parallel.save(good)
@@ -389,6 +400,8 @@ def test_a_damaged_weights_file_is_named(parallel, tmp_path, name):
     damaged = tmp_path / name
     data = good.read_bytes()
     damaged.write_bytes(b"hello" if name.startswith("junk") else data[: len(data) // 2])
+    if name == "empty.keras":
+        zipfile.ZipFile(damaged, "w").close()
     before = _weights(parallel)
     with pytest.raises(ValueError, match=rf"{damaged}.*cannot be read as a Keras file: it is "
                                          "truncated or damaged"):

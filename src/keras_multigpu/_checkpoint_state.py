@@ -108,6 +108,7 @@ class CheckpointState:
             arrays["seed_global"] = _numpy(global_generator.state)
         for i, value in enumerate(metrics or ()):
             arrays[f"metric_{i}"] = value
+        state["arrays"] = sorted(arrays)  # what the reader checks arrays.npz holds
         return state, arrays
 
     def _restore(self, path, state, arrays):

@@ -45,7 +45,9 @@ class TemplateFace:
             )
         try:
             self.template.load_weights(filepath, **kwargs)
-        except (OSError, zipfile.BadZipFile) as error:
+        except (OSError, KeyError, zipfile.BadZipFile) as error:
+            # KeyError: a zip without the weights Keras looks for (zipfile's "There is no
+            # item named 'model.weights.h5'").
             if not os.path.isfile(filepath):
                 raise
             raise unreadable(os.fspath(filepath), error) from error

@@ -68,6 +68,9 @@ def hint(error):
 
 def check_suffix(filepath, suffix):
     """`filepath` as a string, or a ValueError where it does not end with `suffix`."""
+    if not isinstance(filepath, (str, os.PathLike)):
+        raise TypeError(f"filepath must be a path ending in {suffix!r}. Received: "
+                        f"filepath={filepath!r} of type {type(filepath).__name__}.")
     filepath = os.fspath(filepath)
     if not filepath.endswith(suffix):
         raise ValueError(

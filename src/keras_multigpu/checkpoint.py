@@ -1,6 +1,7 @@
 """`Checkpoint`: saves what a run needs to resume exactly, mid-epoch included, and resumes
 from it when `fit` starts. Each checkpoint is a folder written whole or not at all."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -39,7 +40,16 @@ def _retire(path):
     directory, name = os.path.split(path)
     old = os.path.join(directory, f".{name}.old-{os.getpid()}")
     os.replace(path, old)
-    shutil.rmtree(old, ignore_errors=True)
+    _remove(old)
+
+
+def _remove(path):
+    """Removes a folder, or a file in a checkpoint's place, as far as it can."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            os.remove(path)
 
 
 def _dead_leftover(name):
@@ -48,6 +58,27 @@ def _dead_leftover(name):
         return False
     owner = name.rsplit("-", 1)[-1]
     return owner.isdigit() and int(owner) != os.getpid() and not _io._alive(int(owner))
+
+
+# What a checkpoint's state.json holds (`CheckpointState._state`), and of which types.
+_FIELDS = {"epoch": int, "step": int, "global_step": int, "num_batches": (int, type(None)),
+           "data": dict, "random": dict}
+
+
+def _checked_state(state):
+    """`state` (state.json's), or a `CheckpointError` naming what does not fit."""
+    if not isinstance(state, dict):
+        raise CheckpointError(f"state.json holds a JSON {type(state).__name__}, not an object")
+    if state.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"format {state.get('format')!r}, expected {CHECKPOINT_FORMAT}")
+    for key, kind in _FIELDS.items():
+        if key not in state:
+            raise CheckpointError(f"state.json has no {key!r}")
+        if isinstance(state[key], bool) or not isinstance(state[key], kind):
+            raise CheckpointError(f"state.json's {key!r} is {state[key]!r}")
+    if "generators" not in state["data"] or not {"python", "numpy"} <= set(state["random"]):
+        raise CheckpointError("state.json lacks the data's or the random state")
+    return state
 
 
 class Checkpoint(CheckpointState, keras.callbacks.Callback):
@@ -166,16 +197,18 @@ class Checkpoint(CheckpointState, keras.callbacks.Callback):
         """The state of checkpoint `path`: `(state, arrays)`; a `CheckpointError` if damaged."""
         try:
             with open(os.path.join(path, "state.json")) as f:
-                state = json.load(f)
-            if state.get("format") != CHECKPOINT_FORMAT:
-                raise CheckpointError(f"format {state.get('format')!r}, expected "
-                                      f"{CHECKPOINT_FORMAT}")
+                state = _checked_state(json.load(f))
             with np.load(os.path.join(path, "arrays.npz")) as loaded:
                 arrays = {key: loaded[key] for key in loaded.files}
+            missing = sorted(set(state.get("arrays", ())) - set(arrays))
+            if missing:
+                raise CheckpointError(f"arrays.npz lacks {missing}")
             with zipfile.ZipFile(os.path.join(path, "model.keras")) as archive:
                 bad = archive.testzip()
                 if bad is not None:
                     raise CheckpointError(f"model.keras: {bad} fails its checksum")
+                if "model.weights.h5" not in archive.namelist():
+                    raise CheckpointError("model.keras holds no model.weights.h5")
         except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as error:
             raise CheckpointError(
                 f"Checkpoint {path} cannot be read: {type(error).__name__}: {error}. It is "
@@ -205,7 +238,7 @@ class Checkpoint(CheckpointState, keras.callbacks.Callback):
                             "Pass a folder this process can write to.")
         for name in os.listdir(self.directory):
             if _dead_leftover(name):
-                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+                _remove(os.path.join(self.directory, name))
 
     def save(self, epoch, step):
         """Writes a checkpoint of the position `(epoch, step)` (steps done in `epoch`).

@@ -14,6 +14,7 @@ devices and is where every bad value is refused with a clear message.
 import dataclasses
 import functools
 import logging
+import numbers
 import os
 
 logger = logging.getLogger(__name__)
@@ -173,9 +174,11 @@ def select(gpus, available):
     what = f"this machine has {len(available)} {kind.upper()} device(s) ({have})"
     if gpus is None:
         return list(available)
+    if isinstance(gpus, numbers.Integral) and not isinstance(gpus, bool):
+        gpus = int(gpus)  # a NumPy integer (a count read from an array) too
     if isinstance(gpus, bool) or not isinstance(gpus, (int, list, tuple)):
         raise TypeError(
-            "gpus must be None, an int or a list of device ids. Received: "
+            "gpus must be None (every device), an int or a list of device ids. Received: "
             f"gpus={gpus!r} of type {type(gpus).__name__}."
         )
     if isinstance(gpus, int):
@@ -190,7 +193,8 @@ def select(gpus, available):
                 "or a list of ids."
             )
         return list(available[: max(gpus, 1)])
-    ids = [d.id if isinstance(d, Device) else d for d in gpus]
+    ids = [d.id if isinstance(d, Device) else int(d) if isinstance(d, numbers.Integral)
+           and not isinstance(d, bool) else d for d in gpus]
     if not ids:
         raise ValueError(
             "gpus is an empty list. Pass gpus=None for every device, or "
