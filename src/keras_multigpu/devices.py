@@ -154,6 +154,13 @@ def refuse_several_processes(engine):
         )
 
 
+def _as_int(value):
+    """A NumPy integer (a count or an id read from an array) as an int; else `value`."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    return value
+
+
 def select(gpus, available):
     """Chooses devices from `available` as `multi_gpu_model(gpus=...)` does.
 
@@ -174,8 +181,7 @@ def select(gpus, available):
     what = f"this machine has {len(available)} {kind.upper()} device(s) ({have})"
     if gpus is None:
         return list(available)
-    if isinstance(gpus, numbers.Integral) and not isinstance(gpus, bool):
-        gpus = int(gpus)  # a NumPy integer (a count read from an array) too
+    gpus = _as_int(gpus)
     if isinstance(gpus, bool) or not isinstance(gpus, (int, list, tuple)):
         raise TypeError(
             "gpus must be None (every device), an int or a list of device ids. Received: "
@@ -193,8 +199,7 @@ def select(gpus, available):
                 "or a list of ids."
             )
         return list(available[: max(gpus, 1)])
-    ids = [d.id if isinstance(d, Device) else int(d) if isinstance(d, numbers.Integral)
-           and not isinstance(d, bool) else d for d in gpus]
+    ids = [d.id if isinstance(d, Device) else _as_int(d) for d in gpus]
     if not ids:
         raise ValueError(
             "gpus is an empty list. Pass gpus=None for every device, or "
