@@ -6,6 +6,7 @@ from every replica."""
 import contextlib
 import random
 import threading
+import weakref
 
 import keras
 
@@ -61,6 +62,7 @@ def on_the_batch(replica, original, holder, y_true, y_pred, **kwargs):
 
 
 _MARKED = []  # the user's Layer classes marked with `mixes_rows`, in order
+_MARKED_LAYERS = weakref.WeakSet()  # the user's layers marked one by one (a Lambda)
 
 
 def mixes_rows(cls):
@@ -82,13 +84,20 @@ def mixes_rows(cls):
                 std = keras.ops.mean(keras.ops.std(x, axis=0))
                 return keras.ops.concatenate([x, keras.ops.ones_like(x[:, :1]) * std], -1)
 
+    A layer instance is marked alone, where its class is Keras's own (a `Lambda` of a
+    function over the batch): `mixes_rows(keras.layers.Lambda(lambda t: t - ops.mean(t,
+    axis=0)))`.
+
     Returns:
-        `cls`, unchanged (a class decorator).
+        `cls`, unchanged (a class decorator), or the layer marked.
     """
+    if isinstance(cls, keras.layers.Layer):
+        _MARKED_LAYERS.add(cls)
+        return cls
     if not (isinstance(cls, type) and issubclass(cls, keras.layers.Layer)):
         raise TypeError(
-            "mixes_rows marks a keras.layers.Layer subclass (use it as a class decorator). "
-            f"Received: {cls!r}.")
+            "mixes_rows marks a keras.layers.Layer subclass (use it as a class decorator) "
+            f"or a layer. Received: {cls!r}.")
     if cls not in _MARKED:
         _MARKED.append(cls)
     return cls
@@ -103,10 +112,23 @@ def mixing_layers():
     (`rules_random.batch_draw`), and AugMix chooses its operations with Python's `random`.
     Their operations refuse a batch of no rows, which a replica's share may be, and so does
     MelSpectrogram's `stft`, whose decibel floor (`top_db`) is under the whole batch's peak."""
+    # For a layer marked alone, the class whose `call` it runs (`mixing_layer` then asks).
+    alone = tuple(next(c for c in type(layer).__mro__ if "call" in vars(c))
+                  for layer in list(_MARKED_LAYERS))
+    return tuple(dict.fromkeys(_marked_classes() + alone))
+
+
+def _mixes(layer):
+    """Whether `layer` runs on the gathered batch: of a marked class, or marked alone."""
+    return isinstance(layer, _marked_classes()) or layer in _MARKED_LAYERS
+
+
+def _marked_classes():
+    """Keras's classes of `mixing_layers`, then those `mixes_rows` marked."""
     names = ("MixUp", "CutMix", "RandomElasticTransform", "RandomGaussianBlur", "RandAugment",
              "AugMix", "MelSpectrogram")
-    own = tuple(getattr(keras.layers, name) for name in names if hasattr(keras.layers, name))
-    return tuple(dict.fromkeys(own + tuple(_MARKED)))
+    return tuple(getattr(keras.layers, n) for n in names if hasattr(keras.layers, n)) + tuple(
+        _MARKED)
 
 
 def mixing_layer(replica, original, layer, data, *args, **kwargs):
@@ -117,6 +139,8 @@ def mixing_layer(replica, original, layer, data, *args, **kwargs):
     through (`training=False`): every replica joins the all-reduce, and Keras's layer is
     never called on a replica's share of no rows.
     """
+    if not _mixes(layer):  # another layer of a class whose `call` a marked layer runs
+        return original(layer, data, *args, **kwargs)
     k, start = replica.k, replica.start
     batch = gather_all(replica, data, f"all-gather of the batch for {layer.name}")
     replica.k, replica.start = replica.n, 0  # the layer's draws are one device's for the batch
