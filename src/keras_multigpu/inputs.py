@@ -97,11 +97,7 @@ def _stream_feed(x, y, sample_weight, *, replicas, tag, text, options, batch_siz
                  class_weight, drop_remainder, steps_per_epoch):
     """A `Feed` of a stream (PyDataset, generator, tf.data, DataLoader) read by Keras's adapter."""
     if isinstance(x, (dict, list, tuple)):
-        raise TypeError(
-            "x must be arrays (NumPy, JAX, TensorFlow or PyTorch tensors, or a "
-            "dict/list of them), a keras.utils.PyDataset, a generator, or a "
-            f"dataset of known length. Received: x of type {type(x).__name__}."
-        )
+        raise _not_an_input(x)
     for name, value in (("y", y), ("sample_weight", sample_weight)):
         if value is not None:
             raise ValueError(
@@ -131,15 +127,18 @@ def _stream_feed(x, y, sample_weight, *, replicas, tag, text, options, batch_siz
             )
         inner = _Iterable(x)
     if inner is None:
-        raise TypeError(
-            "x must be arrays (NumPy, JAX, TensorFlow or PyTorch tensors, or a "
-            "dict/list of them), a keras.utils.PyDataset, a generator, or a "
-            f"dataset of known length. Received: x of type {type(x).__name__}."
-        ) from None
+        raise _not_an_input(x) from None
     feed = Feed(inner, lambda batch: _stream_server(batch, replicas, tag, text),
                 replicas=replicas, **options)
     feed.source = x
     return feed
+
+
+def _not_an_input(x):
+    return TypeError(
+        "x must be arrays (NumPy, JAX, TensorFlow or PyTorch tensors, or a dict/list of "
+        "them), a keras.utils.PyDataset, a generator, or a dataset of known length. "
+        f"Received: x of type {type(x).__name__}.")
 
 
 def _array_feed(x, y, sample_weight, *, replicas, tag, text, options, batch_size, shuffle,

@@ -4,6 +4,7 @@ a `tensordot` that sums over the batch axis or pairs its rows, run on the batch 
 from every replica."""
 
 import contextlib
+import functools
 import random
 import threading
 import weakref
@@ -125,10 +126,15 @@ def _mixes(layer):
 
 def _marked_classes():
     """Keras's classes of `mixing_layers`, then those `mixes_rows` marked."""
+    return _keras_mixing() + tuple(_MARKED)
+
+
+@functools.cache
+def _keras_mixing():
+    """Keras's own classes of `mixing_layers` (looked up once: `_mixes` asks at each call)."""
     names = ("MixUp", "CutMix", "RandomElasticTransform", "RandomGaussianBlur", "RandAugment",
              "AugMix", "MelSpectrogram")
-    return tuple(getattr(keras.layers, n) for n in names if hasattr(keras.layers, n)) + tuple(
-        _MARKED)
+    return tuple(getattr(keras.layers, n) for n in names if hasattr(keras.layers, n))
 
 
 def mixing_layer(replica, original, layer, data, *args, **kwargs):

@@ -24,11 +24,16 @@ def share(replica, dtype):
                                    keras.ops.cast(keras.ops.maximum(replica.k, 1), dtype))
 
 
+def _with_rows(w, value):
+    """`value` where the replica has rows (`w` = k / n > 0), else 0 (a mean over no rows
+    may be NaN)."""
+    return keras.ops.where(w > 0, value, keras.ops.zeros_like(value))
+
+
 def weigh(replica, value):
-    """A value of this replica's mean (a loss, its gradient) times k / n; 0 without rows
-    (a mean over no rows may be NaN)."""
+    """A value of this replica's mean (a loss, its gradient) times k / n; 0 without rows."""
     w = weight(replica, value.dtype)
-    return keras.ops.where(w > 0, value * w, keras.ops.zeros_like(value))
+    return _with_rows(w, value * w)
 
 
 def weigh_gradient(replica, gradient):
@@ -36,8 +41,7 @@ def weigh_gradient(replica, gradient):
     backward pass (`scaled_loss`), the gradient as it is."""
     if not replica.weighed:
         return weigh(replica, gradient)
-    return keras.ops.where(weight(replica, gradient.dtype) > 0, gradient,
-                           keras.ops.zeros_like(gradient))
+    return _with_rows(weight(replica, gradient.dtype), gradient)
 
 
 def scaled_loss(replica, original, optimizer, loss):
@@ -65,12 +69,11 @@ def weighted_sum(replica, value, what="all-reduce of BatchNormalization's moment
         def grad(*args, upstream=None):
             if upstream is None:
                 (upstream,) = args
-            w = weight(replica, upstream.dtype)
             if replica.weighed:  # each upstream is weighed already, and is left so
                 return replica.all_reduce([upstream], f"{what} (backward)")[0]
+            w = weight(replica, upstream.dtype)
             summed = replica.all_reduce([upstream * w], f"{what} (backward)")[0]
-            return keras.ops.where(w > 0, summed * share(replica, summed.dtype),
-                                   keras.ops.zeros_like(summed))
+            return _with_rows(w, summed * share(replica, summed.dtype))
 
         return replica.all_reduce([value], what)[0], grad
 
