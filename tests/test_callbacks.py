@@ -74,6 +74,18 @@ def test_learning_rate_callbacks_change_the_shared_optimizer(dense_model):
     assert parallel.template.optimizer is parallel.optimizer
 
 
+def test_a_callback_reads_the_optimizer_as_python_numbers(dense_model):
+    """`int(self.model.optimizer.iterations)` and `float(...learning_rate)` in a callback, as
+    on one device (TensorFlow's distributed variables refused `int()`: a TypeError)."""
+    x, y = classification_data(22)
+    parallel = parallel_model(dense_model)
+    read = []
+    reader = keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: read.append(
+        (int(parallel.optimizer.iterations), float(parallel.optimizer.learning_rate))))
+    parallel.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[reader])
+    assert read == [(3, pytest.approx(0.05)), (6, pytest.approx(0.05))]
+
+
 def test_csv_logger_and_history(dense_model, tmp_path):
     x, y = classification_data(24)
     parallel = parallel_model(dense_model)

@@ -402,6 +402,61 @@ def test_a_layer_marked_alone_mixes_rows_and_its_class_does_not(gpus):
     assert not rules_gather._mixes(keras.layers.Lambda(lambda t: t))
 
 
+class _RowCount(keras.layers.Layer):
+    """Counts the rows it trains on in a variable of its own: state updated from its rows."""
+
+    def build(self, shape):
+        self.seen = self.add_weight(shape=(), initializer="zeros", trainable=False, name="seen")
+
+    def call(self, x, training=None):
+        if training:
+            self.seen.assign_add(keras.ops.cast(keras.ops.shape(x)[0], self.seen.dtype))
+        return x
+
+
+@pytest.mark.parametrize("gpus", [3])
+def test_a_layer_counting_its_own_rows_is_named_unless_marked(gpus):
+    """A layer that updates its state from its rows counts, on TensorFlow and torch, its
+    replica's rows (11 rows in batches of 4 on 3 devices: the first replica's 10 of one
+    device's 22 in two epochs, the others 6, and torch's processes each kept their own):
+    the replicas' disagreement is named in a `ReplicaStateWarning`, and every replica goes
+    on from the first's. Marked (`mixes_rows(layer)`), it counts the whole batch, as one
+    device does, with no warning. JAX's one program sees the whole batch: no mark needed."""
+    import doctest
+    import warnings
+
+    from keras_multigpu import _replica_state, processes
+
+    def build(marked):
+        def model():
+            keras.utils.set_random_seed(0)
+            count = _RowCount()
+            return keras.Sequential([keras.Input((6,)), kmg.mixes_rows(count) if marked else count,
+                                     keras.layers.Dense(3, activation="softmax")])
+        return model
+
+    def seen(run):
+        return float(keras.ops.convert_to_numpy(run[0].layers[0].seen))
+
+    reference = _train(None, 11, 4, build=build(False))
+    assert seen(reference) == 22
+    for marked in (False, True):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run = _train(gpus, 11, 4, build=build(marked))
+        named = [str(w.message) for w in caught
+                 if issubclass(w.category, _replica_state.ReplicaStateWarning)]
+        if marked or BACKEND == "jax":
+            assert not named
+            assert seen(run) == 22
+            _assert_same(reference, run)
+        else:
+            assert seen(run) == 10  # the first replica's, on every process
+            assert len(named) == (1 if processes.rank() == 0 else 0)
+            assert all("/seen'" in text and "mixes_rows" in text for text in named)
+    assert doctest.testmod(_replica_state).failed == 0
+
+
 def _augmenting_model():
     # AugMix runs on torch only: on TensorFlow its chains are chosen with Python's `random`
     # as each trace of the step is made, and one device traces the step again for a last

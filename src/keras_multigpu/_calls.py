@@ -15,6 +15,7 @@ from keras_multigpu._checks import (
     _split,
     _takes_text,
 )
+from keras_multigpu._replica_state import StateCheck
 
 
 class Calls:
@@ -72,6 +73,9 @@ class Calls:
             )
         if self._backend.process_index() != 0:
             callbacks = _readers(callbacks)
+        if self.num_replicas > 1 and not backends.has(self._backend, "whole_batch"):
+            callbacks = _added(callbacks, StateCheck(self.template, self._backend,
+                                                     self._distribution, self.num_replicas))
         # Keras's own list, built here so that an interruption can end it.
         callbacks = interrupt.with_stop(callbacks)
         if not isinstance(callbacks, keras.callbacks.CallbackList):
@@ -245,6 +249,15 @@ class _RestoreOnly(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.callback.on_train_batch_end(batch, logs)
+
+
+def _added(callbacks, callback):
+    """`callbacks` (None, a list or a `CallbackList`) with `callback` added."""
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks.callbacks.append(callback)
+        return callbacks
+    return [*(callbacks if isinstance(callbacks, (list, tuple)) else
+              [] if callbacks is None else [callbacks]), callback]
 
 
 def _readers(callbacks):

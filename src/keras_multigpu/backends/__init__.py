@@ -50,6 +50,9 @@ would (the `check` test in tests/test_backends.py holds every engine to this):
   leaves the variables usable by the model alone at the end of a call
   (`failed`: ended by an exception); without it they serve it as they are
   (JAX's replicated arrays).
+- "copies": `copies(variable)`, the variable's value on each of this process's replicas
+  (TensorFlow keeps one per replica of a variable its replicas assign apart; the layer state
+  check, `_replica_state`, compares them); elsewhere a process holds one value.
 - "recompile": `recompiled(variables, distribution)`, after the model is compiled again:
   drops per-variable state that only a new trace may replace (TensorFlow's twins of
   variables frozen or unfrozen since); elsewhere nothing outlives a compile.
@@ -128,6 +131,7 @@ CAPABILITY_NAMES = {
     "jit": (),
     "xla_draws": ("jit_compile",),
     "release": ("release",),
+    "copies": ("copies",),
     "recompile": ("recompiled",),
     "resident": ("resident",),
     "shard": ("shard",),

@@ -322,11 +322,24 @@ _TF_RULES = {rules.mean_update: _tf_grads.mean_update}
 def _process_rules_table(workers):
     """Rules that act outside the replicas: with several workers, Keras's scalar reduction;
     on every call, the per-device pipelines without autotuning (`without_autotune`)."""
-    table = [(tf_trainer, "reduce_per_replica", _reduce_per_replica, lambda: workers)]
+    table = [(tf_trainer, "reduce_per_replica", _reduce_per_replica, lambda: workers),
+             (keras.Variable, "__int__", _python_scalar, lambda: int),
+             (keras.Variable, "__float__", _python_scalar, lambda: float)]
     if device_datasets is not None:
         table.append((device_datasets, "_create_device_dataset", without_autotune,
                       lambda: True))
     return table
+
+
+def _python_scalar(convert, original, variable):
+    """`int(variable)` or `float(variable)` (`convert`) of a scalar variable whose value is
+    distributed for the call (`int(self.model.optimizer.iterations)` in a callback: Keras
+    converts its value, which a distributed variable refuses): its first replica's, which
+    one device's is."""
+    value = variable._value
+    if isinstance(value, tf.distribute.DistributedValues) and variable.ndim == 0:
+        return convert(tf.convert_to_tensor(value))
+    return original(variable)
 
 
 NO_AUTOTUNE = tf.data.Options()
