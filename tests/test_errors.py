@@ -492,9 +492,11 @@ def test_a_save_killed_midway_leaves_nothing_after_the_next_save(parallel, tmp_p
                                           r"match y's \(10, 3\)"),
     ({"validation_data": (np.zeros((4, 6), "float32"),)},
      r"fit's validation_data received inputs but no targets"),
+    ({"validation_data": (np.zeros((4, 6), "float32"), np.zeros((5, 3), "float32"))},
+     r"fit's validation_data: x has 4 rows but y has 5"),
 ], ids=["epochs-str", "epochs-negative", "initial-epoch-float", "validation-freq-0",
         "steps-0", "callbacks-str", "callbacks-function", "sample-weight-shape",
-        "validation-without-targets"])
+        "validation-without-targets", "validation-rows"])
 def test_bad_fit_arguments_are_refused_before_training(parallel, no_training, kwargs, match):
     x, y = _data(10)
     with pytest.raises((ValueError, TypeError), match=match):

@@ -67,10 +67,13 @@ class Calls:
             if isinstance(validation_data, (tuple, list)):
                 val_x, val_y, _ = keras.utils.unpack_x_y_sample_weight(tuple(validation_data))
                 _check_targets(self.template, val_x, val_y, "fit's validation_data", "test_step")
-            validation_data, validation_dataset = self._padded(
-                *keras.utils.unpack_x_y_sample_weight(validation_data),
-                batch_size=validation_batch_size or batch_size,
-            )
+            try:
+                validation_data, validation_dataset = self._padded(
+                    *keras.utils.unpack_x_y_sample_weight(validation_data),
+                    batch_size=validation_batch_size or batch_size,
+                )
+            except (TypeError, ValueError) as error:  # the message names x, y: say which
+                raise type(error)(f"fit's validation_data: {error}") from None
         if self._backend.process_index() != 0:
             callbacks = _readers(callbacks)
         if self.num_replicas > 1 and not backends.has(self._backend, "whole_batch"):
