@@ -155,6 +155,44 @@ def test_every_convolution_and_pooling_kind_trains_with_a_device_left_empty():
     assert parallel.predict(x, verbose=0).shape == (2, 3)
 
 
+class _RowsOfFour(keras.layers.Layer):
+    def call(self, t):
+        return keras.ops.reshape(t, (keras.ops.shape(t)[0], -1, 4))
+
+
+def test_transposed_convolutions_reshapes_and_time_distributed_with_a_device_left_empty():
+    """TensorFlow, a replica dealt no rows: a strided Conv2DTranspose's gradient (oneDNN's
+    convolution) gave the layer before it its input's shape ("ReluGrad ... [0,16,16,4] !=
+    [0,8,8,4]"), and TimeDistributed over a time axis of unknown length (TensorFlow's
+    vectorized_map) failed ("Tried to stack elements of an empty list"); torch could not
+    size the -1 of `ops.reshape(t, (rows, -1, 4))` on no rows. 13 rows in batches of 4 on 3
+    devices: the last batch leaves two replicas empty (a probe's U-Net, ViT and
+    character-level LSTM, adapted from keras.io)."""
+    keras.utils.set_random_seed(0)
+    x, y = classification_data(13, features=(8, 8, 2))
+    template = keras.Sequential([
+        keras.Input((8, 8, 2)),
+        keras.layers.Conv2D(4, 3, padding="same", activation="relu"),
+        keras.layers.Conv2DTranspose(4, 3, strides=2, padding="same"),
+        _RowsOfFour(),
+        keras.layers.GlobalAveragePooling1D(),
+        keras.layers.Dense(3, activation="softmax"),
+    ])
+    _fit_beside_one_device(template, x, y, batch_size=4, epochs=1)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(13, 6, 3)).astype("float32")
+    y = keras.utils.to_categorical(rng.integers(0, 3, (13, 6)), 3)
+    template = keras.Sequential([
+        keras.Input((None, 3)),
+        keras.layers.LSTM(4, return_sequences=True),
+        keras.layers.TimeDistributed(keras.layers.Dense(3, activation="softmax")),
+    ])
+    reference, parallel = _fit_beside_one_device(template, x, y, batch_size=4, epochs=1)
+    for length in (4, 5):  # one row: two replicas empty, at two lengths (a trace each)
+        np.testing.assert_allclose(parallel.predict(x[:1, :length], verbose=0),
+                                   reference.predict(x[:1, :length], verbose=0), atol=1e-6)
+
+
 def test_a_convolution_evaluates_and_predicts_with_a_device_left_empty():
     """As above, in steps without gradients: there TensorFlow's graph optimizer took the
     guard's one padded row away again (`conv(pad(x))[:0]` became `conv(x)`), and the

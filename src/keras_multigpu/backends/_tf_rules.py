@@ -289,8 +289,25 @@ def _any_rows(replica, original, inputs, *args, **kwargs):
                    one_row)
 
 
+def _time_distributed(replica, original, layer, inputs, *args, **kwargs):
+    """Keras's `TimeDistributed.call` (`original`), which maps its layer over a time axis of
+    unknown length with TensorFlow's `vectorized_map`: that fails on a replica with no rows
+    ("Tried to stack elements of an empty list"), which then maps one row of zeros (no
+    mask) and keeps none of it, as `_any_rows` convolves one."""
+    inputs = tf.convert_to_tensor(inputs)
+    if inputs.shape.rank is None or inputs.shape.rank < 2 or inputs.shape[1] is not None:
+        return original(layer, inputs, *args, **kwargs)
+
+    def one_row():
+        zeros = tf.zeros(tf.concat([[1], tf.shape(inputs)[1:]], 0), inputs.dtype)
+        return original(layer, zeros, *args, **{**kwargs, "mask": None})[:0]
+
+    return tf.cond(tf.shape(inputs)[0] > 0,
+                   lambda: original(layer, inputs, *args, **kwargs), one_row)
+
+
 def _rules_table():
-    convolutions = ("conv", "depthwise_conv", "separable_conv")
+    convolutions = ("conv", "depthwise_conv", "separable_conv", "conv_transpose")
     if not _empty_convolution_misshaped():
         convolutions = ()
     # Max pooling's gradient on zero rows aborts the process under oneDNN, TensorFlow's CPU
@@ -306,6 +323,7 @@ def _rules_table():
         (loss_module, "scale_loss_for_distribution", _scale, _step),
         (loss_module, "unscale_loss_for_distribution", _scale, _step),
         (keras.layers.Layer, "add_loss", _add_loss, _step),
+        (keras.layers.TimeDistributed, "call", _time_distributed, _step),
         (keras.layers.Layer, "_get_own_losses", _own_losses, _step),
         (keras.layers.Layer, "_clear_losses", _clear_losses, _step),
         (seed_generator, "global_seed_generator", _tf_seeds.global_generator,

@@ -2,6 +2,8 @@
 count): some refuse a tensor with an empty dimension, where one device never has one.
 Rules of the torch engine's table (`torch._rules_table`), in force inside its steps."""
 
+import math
+
 import keras
 
 
@@ -29,3 +31,18 @@ def no_images(replica, original, images, *args, **kwargs):
     if images.ndim == 4 and images.shape[0] == 0:
         return images
     return original(images, *args, **kwargs)
+
+
+def reshape_rows(replica, original, x, newshape):
+    """Keras's torch `reshape` to `(rows, -1, ...)` (`ops.reshape(x, (ops.shape(x)[0], -1,
+    d))`, a ViT's patches): torch cannot size the -1 of a tensor with no rows. There it is
+    what it is for any number of rows: each row's size over the other sizes given."""
+    x = keras.ops.convert_to_tensor(x)
+    shape = list(newshape) if isinstance(newshape, (list, tuple)) else None
+    if shape and x.ndim and x.shape[0] == 0 and shape[0] == 0 and shape.count(-1) == 1:
+        per_row = math.prod(x.shape[1:])
+        known = math.prod(int(s) for s in shape[1:] if s != -1)
+        if known and per_row % known == 0:
+            shape[shape.index(-1)] = per_row // known
+            return original(x, tuple(shape))
+    return original(x, newshape)
