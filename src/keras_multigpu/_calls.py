@@ -73,6 +73,8 @@ class Calls:
                     batch_size=validation_batch_size or batch_size,
                 )
             except (TypeError, ValueError) as error:  # the message names x, y: say which
+                if type(error) not in (TypeError, ValueError):
+                    raise
                 raise type(error)(f"fit's validation_data: {error}") from None
         if self._backend.process_index() != 0:
             callbacks = _readers(callbacks)
