@@ -279,14 +279,22 @@ def _any_rows(replica, original, inputs, *args, **kwargs):
     The row is made from the inputs' shape alone: padded onto the inputs, TensorFlow's
     graph optimizer took `conv(pad(x))[:0]` back to `conv(x)` in a step without gradients
     (evaluate, predict), and the empty batch was misshaped again."""
-    inputs = tf.convert_to_tensor(inputs)
+
+    def run(x):
+        return original(x, *args, **kwargs)
+
+    return _on_rows(tf.convert_to_tensor(inputs), run, run)
+
+
+def _on_rows(inputs, run, run_one_row):
+    """`run(inputs)` where `inputs` has rows; on none, `run_one_row` of one row of zeros,
+    made from the inputs' shape alone (see `_any_rows`), keeping none of its rows."""
 
     def one_row():
         zeros = tf.zeros(tf.concat([[1], tf.shape(inputs)[1:]], 0), inputs.dtype)
-        return original(zeros, *args, **kwargs)[:0]
+        return run_one_row(zeros)[:0]
 
-    return tf.cond(tf.shape(inputs)[0] > 0, lambda: original(inputs, *args, **kwargs),
-                   one_row)
+    return tf.cond(tf.shape(inputs)[0] > 0, lambda: run(inputs), one_row)
 
 
 def _time_distributed(replica, original, layer, inputs, *args, **kwargs):
@@ -297,13 +305,8 @@ def _time_distributed(replica, original, layer, inputs, *args, **kwargs):
     inputs = tf.convert_to_tensor(inputs)
     if inputs.shape.rank is None or inputs.shape.rank < 2 or inputs.shape[1] is not None:
         return original(layer, inputs, *args, **kwargs)
-
-    def one_row():
-        zeros = tf.zeros(tf.concat([[1], tf.shape(inputs)[1:]], 0), inputs.dtype)
-        return original(layer, zeros, *args, **{**kwargs, "mask": None})[:0]
-
-    return tf.cond(tf.shape(inputs)[0] > 0,
-                   lambda: original(layer, inputs, *args, **kwargs), one_row)
+    return _on_rows(inputs, lambda x: original(layer, x, *args, **kwargs),
+                    lambda x: original(layer, x, *args, **{**kwargs, "mask": None}))
 
 
 def _rules_table():

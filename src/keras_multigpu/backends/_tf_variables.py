@@ -143,8 +143,6 @@ def release(variables, distribution, optimizers=(), failed=False):
         _reindex(optimizer)
 
 
-
-
 def copies(variable):
     """The variable's value on each of this process's replicas, as NumPy arrays: a
     variable its replicas assign apart (`_distributed_as`: one copy per replica, read from
