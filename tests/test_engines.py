@@ -1389,17 +1389,20 @@ class MaskedCaptioner(keras.Model):
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="its step is written with a "
                     "tf.GradientTape; torch's graph does not tell a sum of the mask from a "
                     "constant (docs/engines.md#known-gaps)")
-@pytest.mark.parametrize("batch_size", [10, 5])
+@pytest.mark.parametrize("batch_size", [10, 5, 3])
 def test_a_step_whose_loss_is_a_ratio_of_sums_equals_one_device(batch_size):
     """A masked mean written by hand is the batch's ratio of sums, not each replica's
     ratio weighed by its rows: its gradient is weighed by each replica's share of the
     denominator, and its value, tracked or returned, is the batch's (weights were 0.05
     from one device's, 47 rows in batches of 10 on 3 devices). Batches of 5 leave a
-    replica of the last batch (2 rows) without rows."""
+    replica of the last batch (2 rows) without rows. Rows 1 and 7 are padding alone: in
+    batches of 3, a replica's one row of them has a denominator of 0 and a NaN gradient,
+    which is no part of one device's (every weight was NaN)."""
     rng = np.random.default_rng(10)
     tokens = rng.integers(1, 12, (47, 6))
     for row, length in enumerate(rng.integers(1, 7, 47)):
         tokens[row, length:] = 0  # padding
+    tokens[[1, 7]] = 0
     labels = np.where(tokens > 0, np.maximum((tokens * 3) % 12, 1), 0)
     runs = []
     for count in (None, 3):
@@ -1412,6 +1415,40 @@ def test_a_step_whose_loss_is_a_ratio_of_sums_equals_one_device(batch_size):
                              shuffle=False).history
         runs.append((model, target, history))
     _assert_same(*runs)
+
+
+class SummedLoss(keras.Model):
+    """keras-io's BERT masked language model, in small: Keras's own `train_step`, with a
+    `compute_loss` that sums its rows' losses."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, **kwargs):
+        return keras.ops.sum(keras.ops.square(y - y_pred))
+
+
+@pytest.mark.parametrize("gpus", [3])
+def test_a_compute_loss_that_sums_its_rows_trains_as_one_device(gpus):
+    """Keras's own step takes the gradient of what `compute_loss` returns: of a sum over
+    the rows, each replica's part of one device's sum, not a mean to weigh by k / n (torch's
+    weights were 0.13 from one device's). 10 rows in batches of 4 leave a replica of the
+    last batch without rows. The loss logged is not the batch's sum on TensorFlow and torch
+    (docs/engines.md#known-gaps); the weights and predictions are one device's."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(10, 3)).astype("float32")
+    y = rng.normal(size=(10, 1)).astype("float32")
+    models = []
+    for count in (None, gpus):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((3,))
+        model = SummedLoss(inputs, keras.layers.Dense(1)(inputs))
+        target = model if count is None else kmg.multi_gpu_model(model, gpus=count)
+        target.compile(optimizer=keras.optimizers.SGD(0.01))
+        target.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+        models.append(target)
+    for a, b in zip(models[0].get_weights(), models[1].get_weights()):
+        np.testing.assert_allclose(b, a, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(models[1].predict(x, batch_size=4, verbose=0),
+                               models[0].predict(x, batch_size=4, verbose=0),
+                               rtol=RTOL, atol=ATOL)
 
 
 def _own_step_runs(gpus, make, learning_rate, x, **batching):

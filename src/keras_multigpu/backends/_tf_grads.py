@@ -120,7 +120,12 @@ def own_logs(replica, logs):
 
 
 def _scaled(gradient, factor):
+    """`gradient * factor`, and 0 where the factor is: a ratio whose denominator is 0 on this
+    replica (every row masked) has a NaN gradient, and no part of one device's."""
+    def times(values):
+        return tf.where(factor != 0, values * factor, tf.zeros_like(values))
+
     if isinstance(gradient, tf.IndexedSlices):
-        return tf.IndexedSlices(gradient.values * factor, gradient.indices,
+        return tf.IndexedSlices(times(gradient.values), gradient.indices,
                                 gradient.dense_shape)
-    return gradient * factor
+    return times(gradient)
