@@ -56,7 +56,10 @@ next_keras() {  # the exactness tests on the next Keras, on backend $1
     return 0
   fi
   echo "== the next Keras ($(basename "$next_wheel")), KERAS_BACKEND=$1"
-  PYTHONPATH="$logs/keras-next" KERAS_BACKEND=$1 .venv/bin/python -m pytest -q \
+  # Each case at its largest device count alone (tests/conftest.py's ONE_COUNT): this Keras
+  # runs every count.
+  PYTHONPATH="$logs/keras-next" KERAS_BACKEND=$1 KERAS_MULTIGPU_TEST_ONE_COUNT=1 \
+      .venv/bin/python -m pytest -q \
       -p no:cacheprovider tests/test_rules.py tests/test_engines.py \
       $([ "$1" = jax ] && echo tests/test_batching.py $next_shuffling) \
       $([ "$1" = tensorflow ] && echo $next_tensorflow) \

@@ -239,6 +239,39 @@ def _world(item):
     return gpus if isinstance(gpus, int) else 1
 
 
+# The next Keras's run (scripts/test.sh): a case written for several device counts runs at its
+# largest alone (the most uneven split, with a replica of one row or none); this Keras runs
+# every count. KERAS_MULTIGPU_TEST_FULL=1 runs every count here too.
+ONE_COUNT = os.environ.get("KERAS_MULTIGPU_TEST_ONE_COUNT") == "1" and not FULL
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under ONE_COUNT, deselects each case's runs at all but its largest `gpus`."""
+    if not ONE_COUNT:
+        return
+
+    def case(item):
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if not isinstance(params.get("gpus"), int):
+            return None, None
+        rest = tuple(sorted((name, repr(value)) for name, value in params.items()
+                            if name != "gpus"))
+        return (item.nodeid.split("[")[0], rest), params["gpus"]
+
+    largest = {}
+    for item in items:
+        key, gpus = case(item)
+        if key is not None:
+            largest[key] = max(largest.get(key, gpus), gpus)
+    kept, dropped = [], []
+    for item in items:
+        key, gpus = case(item)
+        (dropped if key is not None and gpus < largest[key] else kept).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "ranks(n): under the torch backend, run the test in n processes")
