@@ -104,11 +104,16 @@ def global_ratio(replica, value):
 
 
 def mean_update(replica, original, metric, values, sample_weight=None):
-    """`rules.mean_update` (a loss tracker's update), with a ratio of sums over the rows
-    taken as the batch's ratio (`global_ratio`), which the weighing by k / n then adds
-    once across replicas."""
-    if sample_weight is None and not rules_metrics.updating(metric):  # (`wrapped_update`'s)
-        values = global_ratio(replica, values)
+    """`rules.mean_update` (a loss tracker's update: a custom step's, or Keras's own step's,
+    weighed by the rows), with a ratio of sums over the rows taken as the batch's ratio
+    (`global_ratio`), and a sum over them (a `compute_loss` that sums: keras-io's BERT
+    masked language model) as this replica's part of the batch's sum times n / k: the
+    weighing by k / n (or by the rows) then adds each once across replicas."""
+    if not rules_metrics.updating(metric):  # (`wrapped_update`'s)
+        if _row_sum(replica, values):
+            values = values * rules.share(replica, values.dtype)
+        else:
+            values = global_ratio(replica, values)
     return rules.mean_update(replica, original, metric, values, sample_weight)
 
 

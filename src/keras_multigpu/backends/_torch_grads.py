@@ -12,7 +12,7 @@ stay the process's own."""
 
 import torch
 
-from keras_multigpu import rules
+from keras_multigpu import rules, rules_metrics
 from keras_multigpu.rules_gather import rows_of, voted
 
 
@@ -49,6 +49,18 @@ def backward(replica, original, tensors, *args, **kwargs):
                 g.copy_(s)
         replica.reduced.extend(grads)
     return result
+
+
+def mean_update(replica, original, metric, values, sample_weight=None):
+    """`rules.mean_update` (a loss tracker's update), with a sum over this process's rows
+    (Keras's own step's loss from a `compute_loss` that sums: keras-io's BERT masked
+    language model) taken as its part of the batch's sum times n / k: the weighing by
+    k / n (or by the rows) then adds each once across processes. Under `no_grad`
+    (`evaluate`) the sum leaves no graph to tell it by."""
+    if (isinstance(values, torch.Tensor) and values.dim() == 0
+            and not rules_metrics.updating(metric) and _sums_rows(replica, values)):
+        values = values * rules.share(replica, values.dtype)
+    return rules.mean_update(replica, original, metric, values, sample_weight)
 
 
 def _sums_rows(replica, tensors):

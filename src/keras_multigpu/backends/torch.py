@@ -358,7 +358,9 @@ def _rules_table():
         # Its own `apply` checks the gradients are finite before the inner optimizer's:
         # on the sums, as one device checks its gradients, so every rank decides alike.
         (keras.optimizers.LossScaleOptimizer, "apply", _apply, _step),
-        *rules.table(_step, _call, torch_random, DRAWS, logs=_logs),
+        *((owner, name, _torch_grads.mean_update if rule is rules.mean_update else rule, guard)
+          for owner, name, rule, guard in rules.table(_step, _call, torch_random, DRAWS,
+                                                      logs=_logs)),
     ]
 
 
