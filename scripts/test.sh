@@ -5,8 +5,9 @@
 # - Stream 1: the whole suite on JAX; the exactness tests (the rules, the engine
 #   contract, the batch order and shuffling) again on the next Keras (../shared/keras-next,
 #   Keras's main branch as a wheel, laid over the environment's Keras through PYTHONPATH,
-#   so nothing else changes; each case at its largest device count); then torch's launcher tests across machines
-#   (tests/test_multihost.py) and the benchmark harness's (tests/test_bench.py), and the
+#   so nothing else changes; each case at its largest device count there); then torch's
+#   launcher tests across machines (tests/test_multihost.py) and the benchmark harness's
+#   (tests/test_bench.py), and the
 #   next Keras's exactness tests on torch, with torch's share of the real programs (whose
 #   own trainer changed most on the next Keras: DDP and metrics across processes).
 # - Stream 2: the behaviour suite on TensorFlow (two pytest processes) and on PyTorch

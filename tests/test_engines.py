@@ -1436,7 +1436,7 @@ class OwnLoss(keras.Model):
 
 @pytest.mark.parametrize("gpus", [3])
 @pytest.mark.parametrize("kind", [
-    "sum", pytest.param("ratio", marks=pytest.mark.skipif(
+    "sum", "regularized", pytest.param("ratio", marks=pytest.mark.skipif(
         BACKEND == "torch", reason="torch's graph does not tell a sum of the mask from a "
         "constant (docs/engines.md#known-gaps)"))])
 def test_a_compute_loss_of_the_models_own_trains_and_logs_as_one_device(gpus, kind):
@@ -1444,7 +1444,9 @@ def test_a_compute_loss_of_the_models_own_trains_and_logs_as_one_device(gpus, ki
     tracker the value. A sum over the rows is each replica's part of one device's sum, not
     a mean to weigh by k / n (torch's weights were 0.13 from one device's; the loss logged
     on TensorFlow and torch 1.43 where one device's is 3.12); a ratio of sums is the
-    batch's ratio. 10 rows in batches of 4 leave a replica of the last batch without rows;
+    batch's ratio. Keras's own `compute_loss` sums its losses, here the compiled one and a
+    regularizer's ("regularized"): two values, which are not rows where a replica has two
+    (batches of 6). 10 rows in batches of 4 leave a replica of the last batch without rows;
     in batches of 3 (a row for each replica), the rows of the mask, 1, 5, 7 and 9, leave
     two replicas of each batch none of it (their ratio is 0/0: every weight was NaN on
     TensorFlow)."""
@@ -1452,14 +1454,18 @@ def test_a_compute_loss_of_the_models_own_trains_and_logs_as_one_device(gpus, ki
     x = rng.normal(size=(10, 3)).astype("float32")
     y = np.abs(rng.normal(size=(10, 1))).astype("float32")
     y[[0, 2, 3, 4, 6, 8]] *= -1
-    batch_size = 4 if kind == "sum" else 3
+    batch_size = {"sum": 4, "regularized": 6, "ratio": 3}[kind]
     runs = []
     for count in (None, gpus):
         keras.utils.set_random_seed(0)
         inputs = keras.Input((3,))
-        model = OwnLoss(inputs, keras.layers.Dense(1)(inputs), kind=kind)
+        if kind == "regularized":
+            model = keras.Model(inputs, keras.layers.Dense(1, kernel_regularizer="l2")(inputs))
+        else:
+            model = OwnLoss(inputs, keras.layers.Dense(1)(inputs), kind=kind)
         target = model if count is None else kmg.multi_gpu_model(model, gpus=count)
-        target.compile(optimizer=keras.optimizers.SGD(0.01))
+        target.compile(optimizer=keras.optimizers.SGD(0.01),
+                       loss="mse" if kind == "regularized" else None)
         history = target.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False,
                              verbose=0).history
         history["predict"] = target.predict(x, batch_size=batch_size, verbose=0)

@@ -7,7 +7,7 @@ mean over its rows, whose weighed sum across replicas is one device's mean; a lo
 is a sum over the rows, or a ratio of two such sums (a masked mean written by hand:
 `ops.sum(loss * mask) / ops.sum(mask)`), is found in the step's graph and weighed as one
 device's: its gradient by each replica's part, its value (a loss tracker's update, a
-value the step returns) as the batch's ratio.
+value the step returns) as the batch's ratio, or as the replica's part of the batch's sum.
 """
 
 import keras
@@ -108,7 +108,8 @@ def mean_update(replica, original, metric, values, sample_weight=None):
     weighed by the rows), with a ratio of sums over the rows taken as the batch's ratio
     (`global_ratio`), and a sum over them (a `compute_loss` that sums: keras-io's BERT
     masked language model) as this replica's part of the batch's sum times n / k: the
-    weighing by k / n (or by the rows) then adds each once across replicas."""
+    weighing by k / n (a weight of None), or by the rows (Keras's step's weight), then adds
+    each once across replicas."""
     if not rules_metrics.updating(metric):  # (`wrapped_update`'s)
         if _row_sum(replica, values):
             values = values * rules.share(replica, values.dtype)

@@ -55,8 +55,8 @@ def mean_update(replica, original, metric, values, sample_weight=None):
     """`rules.mean_update` (a loss tracker's update), with a sum over this process's rows
     (Keras's own step's loss from a `compute_loss` that sums: keras-io's BERT masked
     language model) taken as its part of the batch's sum times n / k: the weighing by
-    k / n (or by the rows) then adds each once across processes. Under `no_grad`
-    (`evaluate`) the sum leaves no graph to tell it by."""
+    k / n (a weight of None), or by the rows (Keras's step's weight), then adds each once
+    across processes. Under `no_grad` (`evaluate`) the sum leaves no graph to tell it by."""
     if (isinstance(values, torch.Tensor) and values.dim() == 0
             and not rules_metrics.updating(metric) and _sums_rows(replica, values)):
         values = values * rules.share(replica, values.dtype)
@@ -64,12 +64,18 @@ def mean_update(replica, original, metric, values, sample_weight=None):
 
 
 def _sums_rows(replica, tensors):
-    """Whether the backward pass is from a sum over this process's rows, not a mean: from
-    a tensor of them (a per-row loss, with `gradient=`), or from a full sum of one
-    (`ops.sum(per_row).backward()`). Every process votes (`rules_gather.voted`)."""
+    """Whether a backward pass, or a loss tracker's value, is from a sum over this
+    process's rows, not a mean: from a tensor of them (a per-row loss, with `gradient=`),
+    or from a full sum of one (`ops.sum(per_row).backward()`), not of values stacked (Keras's
+    `compute_loss` sums its losses so: a regularizer's and the compiled one's are two, which
+    a process of two rows would take for its rows). Every process votes
+    (`rules_gather.voted`)."""
     if not isinstance(tensors, torch.Tensor) or not tensors.is_floating_point():
         return False
     summed = tensors.grad_fn is not None and tensors.grad_fn.name() == "SumBackward0"
+    if summed and any(node is not None and node.name() == "StackBackward0"
+                      for node, _ in tensors.grad_fn.next_functions):
+        return False  # the same graph, so the same answer, on every process
     if tensors.dim() == 0 and not summed:
         return False  # a mean, or any other scalar: the same question on every process
     if tensors.dim():

@@ -358,10 +358,13 @@ def _rules_table():
         # Its own `apply` checks the gradients are finite before the inner optimizer's:
         # on the sums, as one device checks its gradients, so every rank decides alike.
         (keras.optimizers.LossScaleOptimizer, "apply", _apply, _step),
-        *((owner, name, _torch_grads.mean_update if rule is rules.mean_update else rule, guard)
-          for owner, name, rule, guard in rules.table(_step, _call, torch_random, DRAWS,
-                                                      logs=_logs)),
+        *((owner, name, _TORCH_RULES.get(rule, rule), guard) for owner, name, rule, guard
+          in rules.table(_step, _call, torch_random, DRAWS, logs=_logs)),
     ]
+
+
+# Rules of `rules.table` that this engine takes with more in front (`_torch_grads`).
+_TORCH_RULES = {rules.mean_update: _torch_grads.mean_update}
 
 
 _installed = threading.local()
