@@ -30,13 +30,11 @@ def backward(replica, original, tensors, *args, **kwargs):
     gradients it accumulated into parameters are weighed by k / n and all-reduced, in
     place. A second backward pass adds its process's own part to what is one device's
     already, and its all-reduce leaves that part as it is (the weights sum to 1)."""
-    if replica.own_step:  # the buckets weigh by k / n: a sum's part is scaled by n / k
-        if _sums_rows(replica, tensors):  # (a `compute_loss` that sums: keras-io's BERT MLM)
-            tensors = tensors * rules.share(replica, tensors.dtype)
-        return original(tensors, *args, **kwargs)
-    params = _parameters(tensors)  # read before the pass, which frees the graph
     if _sums_rows(replica, tensors):  # this process's part of one device's sum, times n / k
         tensors = tensors * rules.share(replica, tensors.dtype)
+    if replica.own_step:  # Keras's step (a `compute_loss` that sums: keras-io's BERT MLM):
+        return original(tensors, *args, **kwargs)  # the buckets weigh it by k / n
+    params = _parameters(tensors)  # read before the pass, which frees the graph
     result = original(tensors, *args, **kwargs)
     grads = [p.grad for p in params if p.grad is not None]
     if grads:
