@@ -27,6 +27,15 @@ import pytest  # noqa: E402
 
 import keras_multigpu as kmg  # noqa: E402
 
+if keras.backend.backend() == "tensorflow" and os.environ.get(
+        "KERAS_MULTIGPU_TEST_NO_GRAPPLER") == "1":
+    # scripts/test.sh's TensorFlow runs: TensorFlow's graph optimizer (grappler) off, for time
+    # alone. Rewriting each small step's graph is much of a TensorFlow test's time on the CPU,
+    # and every comparison runs both sides in this process, under the same options.
+    import tensorflow as tf
+
+    tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
+
 CIFAR_BATCH_FILES = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
 
 
