@@ -1005,6 +1005,32 @@ def test_add_loss_summed_over_the_batch(gpus):
     _assert_same(*runs)
 
 
+def _two_outputs():
+    keras.utils.set_random_seed(0)
+    x = keras.Input((6,))
+    hidden = keras.layers.Dense(4, activation="tanh")(x)
+    return keras.Model(x, [keras.layers.Dense(3)(hidden), hidden])
+
+
+def _loss_on_the_first(target):
+    target.compile(optimizer=keras.optimizers.SGD(0.1), loss=[
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True), None])
+
+
+@pytest.mark.parametrize("gpus", [3])
+def test_one_target_for_the_one_output_with_a_loss(gpus):
+    """keras-io's miniature GPT: two outputs, `loss=[fn, None]` and one `y`. Batches of 7
+    leave two devices 2 rows each, as many as the outputs: Keras took such a replica's rows
+    for the outputs' targets (on torch, whose replicas know their rows)."""
+    x, y = _data(14)
+    runs = [_train(count, 14, 7, build=_two_outputs, compile=_loss_on_the_first)
+            for count in (None, gpus)]
+    _assert_same(*runs)
+    (_, one, _), (_, parallel, _) = runs
+    np.testing.assert_allclose(parallel.evaluate(x, y, batch_size=7, verbose=0),
+                               one.evaluate(x, y, batch_size=7, verbose=0), rtol=RTOL, atol=ATOL)
+
+
 class _CTCEndpoint(keras.layers.Layer):
     """keras-io's OCR endpoint with Keras's own CTC loss: `add_loss` of its per-row vector."""
 

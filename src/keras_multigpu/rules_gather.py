@@ -303,9 +303,22 @@ def compiled_loss(replica, original, compile_loss, *args, **kwargs):
     """The loss a model compiles (`CompileLoss.call`, `original`): the Losses it calls see
     the batch's rows (each output's `y_true` and `y_pred`), which `one_value_loss` may
     gather. A Loss a custom step calls itself may see other rows (a GAN's real and
-    generated rows, concatenated), and is left to the reductions."""
+    generated rows, concatenated), and is left to the reductions.
+
+    A lone `y_true` for several outputs (keras-io's miniature GPT: `loss=[fn, None]`) goes
+    in a list of one, where Keras places it at the one output with a loss: as it is, Keras's
+    `tree.pack_sequence_as` takes its rows for the outputs where they number alike, as a
+    replica's k rows may where the batch's n do not."""
+    if args and _lone_target(args[0], args[1] if len(args) > 1 else kwargs.get("y_pred")):
+        args = ([args[0]], *args[1:])
     with switched_on(_compiled):
         return original(compile_loss, *args, **kwargs)
+
+
+def _lone_target(y_true, y_pred):
+    """Whether `y_true` is one tensor where `y_pred` holds several outputs."""
+    return (y_true is not None and not keras.tree.is_nested(y_true)
+            and keras.tree.is_nested(y_pred) and len(keras.tree.flatten(y_pred)) > 1)
 
 
 @contextlib.contextmanager
