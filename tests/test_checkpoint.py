@@ -390,6 +390,28 @@ def test_a_checkpoint_of_other_data_is_refused(tmp_path):
                      callbacks=[Checkpoint(tmp_path)])
 
 
+@pytest.mark.parametrize("stamped", [True, False])
+def test_a_checkpoint_of_another_optimizer_is_refused(tmp_path, stamped):
+    """Keras loads what fits of another optimizer's state and warns of the rest (here none
+    of Adam's moments, nor its step count): a resume from it is not exact. A checkpoint
+    names its optimizer; one written before it did is refused by Keras's warning."""
+    _, parallel = _model()
+    parallel.fit(*DATA, batch_size=8, epochs=1, verbose=0, callbacks=[Checkpoint(tmp_path)])
+    if not stamped:
+        (written,) = [tmp_path / name for name in os.listdir(tmp_path)]
+        state = json.loads((written / "state.json").read_text())
+        del state["optimizer"]
+        (written / "state.json").write_text(json.dumps(state))
+    model, _ = _model()
+    parallel = kmg.multi_gpu_model(model, gpus=1)
+    parallel.compile(optimizer="sgd", loss="mse")
+    match = "the optimizer Adam; this model compiles SGD" if stamped else "Skipping variable"
+    with pytest.raises(CheckpointError, match=match):
+        parallel.fit(*DATA, batch_size=8, epochs=2, verbose=0,
+                     callbacks=[Checkpoint(tmp_path)])
+    assert int(parallel.optimizer.iterations.value) == 0
+
+
 def test_bad_arguments_and_inputs_are_refused_clearly(tmp_path):
     with pytest.raises(ValueError, match="save_freq must be 'epoch' .* Received: save_freq=0"):
         Checkpoint(tmp_path, save_freq=0)

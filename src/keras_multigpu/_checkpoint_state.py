@@ -59,6 +59,12 @@ def _own_draws(dataset):
     return f"a {type(source).__name__}"
 
 
+def _optimizer_name(model):
+    """The class of the optimizer `model` compiles, or None."""
+    optimizer = getattr(model, "optimizer", None)
+    return None if optimizer is None else type(optimizer).__name__
+
+
 def _numpy(variable):
     return np.asarray(variable.numpy())
 
@@ -89,6 +95,7 @@ class CheckpointState:
             "epoch": int(epoch), "step": int(step), "global_step": int(self._global),
             "num_batches": None if dataset is None else int(dataset.num_batches + dataset.skip),
             "replicas": model.num_replicas,
+            "optimizer": _optimizer_name(model.template),
             "data": {"generators": generators, "now": now},
             "random": {**batching.generator_state(random),
                        **batching.generator_state(np.random)},
@@ -124,15 +131,33 @@ class CheckpointState:
                 "resume=False (or another directory) to start afresh."
             )
         optimizer = getattr(template, "optimizer", None)
+        written, mine = state.get("optimizer"), _optimizer_name(template)
+        if written is not None and written != mine:
+            raise CheckpointError(
+                f"Checkpoint {path} was written by a run with the optimizer {written}; this "
+                f"model compiles {mine}. Resume with the same optimizer, or pass "
+                "resume=False (or another directory) to start afresh.")
         if optimizer is not None and not optimizer.built:
             optimizer.build(template.trainable_variables)
         try:
-            template.load_weights(os.path.join(path, "model.keras"))
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                template.load_weights(os.path.join(path, "model.keras"))
         except (ValueError, OSError) as error:
             raise CheckpointError(
                 f"Checkpoint {path} does not fit this model: {error}. Resume with the "
                 "program that wrote it, or pass resume=False."
             ) from error
+        for warning in caught:
+            # Keras loads what fits and warns of the rest ("Skipping variable loading for
+            # optimizer 'adam', because it has 10 variables whereas the saved optimizer has
+            # 2"): a resume without it would not be exact.
+            if str(warning.message).startswith("Skipping variable loading"):
+                raise CheckpointError(
+                    f"Checkpoint {path} does not fit this model: {warning.message} Resume "
+                    "with the program that wrote it, or pass resume=False.")
+            warnings.warn_explicit(warning.message, warning.category, warning.filename,
+                                   warning.lineno)
         generators = _seed_generators(template)
         for i, generator in enumerate(generators):
             if f"seed_{i}" in arrays:
