@@ -152,6 +152,24 @@ def test_fit_float_batch_size(parallel, no_training):
         parallel.fit(x, y, batch_size=8.0, verbose=0)
 
 
+def test_a_numpy_int_batch_size_is_taken(parallel):
+    """`batch_size=np.int64(6)`, as `len(x) // 4` on an array gives: torch's samplers refuse
+    all but Python's int ("should be a positive integer value, but got batch_size=6")."""
+    x, y = _data(16)
+    history = parallel.fit(x, y, batch_size=np.int64(6), epochs=1, verbose=0)
+    assert len(history.history["loss"]) == 1
+    assert np.isfinite(parallel.evaluate(x, y, batch_size=np.int32(6), verbose=0)).all()
+
+
+@pytest.mark.parametrize("call", ["evaluate", "test_on_batch"])
+def test_evaluating_before_compile_says_to_compile(model, call):
+    """Keras's torch trainer read the missing optimizer first (an AttributeError)."""
+    parallel = kmg.multi_gpu_model(model, gpus=engine_gpus(2))
+    x, y = _data(8)
+    with pytest.raises(ValueError, match=rf"compile\(\)` before `{call}\(\)`"):
+        getattr(parallel, call)(x, y)
+
+
 def test_fit_x_and_y_of_different_lengths(parallel, no_training):
     x, y = _data(16)
     with pytest.raises(ValueError, match=r"x has 16 rows but y has 10") as info:

@@ -6,6 +6,7 @@ import contextlib
 import gc
 
 import keras
+import numpy as np
 
 from keras_multigpu import backends, batching, inputs, interrupt
 from keras_multigpu._checks import (
@@ -18,6 +19,15 @@ from keras_multigpu._checks import (
 from keras_multigpu._replica_state import StateCheck
 
 
+def _check_compiled(model, call):
+    """Keras's own error for a model never compiled, which Keras's torch trainer does not
+    raise before `evaluate` reads the optimizer."""
+    if not model.compiled:
+        raise ValueError(f"You must call `compile()` before `{call}()`: the model (and its "
+                         "wrapper) was never compiled. Call `compile(optimizer=..., "
+                         "loss=...)` on the ParallelModel first.")
+
+
 class Calls:
     """`fit`, `evaluate`, `predict` and `*_on_batch` of a `ParallelModel`."""
 
@@ -28,6 +38,8 @@ class Calls:
     def _padded(self, x, y=None, sample_weight=None, **kwargs):
         _check_names(self.template, x, "x", "input")
         _check_names(self.template, y, "y", "output")
+        if isinstance(kwargs.get("batch_size"), np.integer):  # torch's samplers take int alone
+            kwargs["batch_size"] = int(kwargs["batch_size"])
         backend = self._backend
         generator = backends.has(backend, "generator")
         return inputs.as_padded(
@@ -123,6 +135,7 @@ class Calls:
                  sample_weight=None, steps=None, callbacks=None,
                  return_dict=False, **kwargs):
         self._sync_compile()
+        _check_compiled(self, "evaluate")
         _check_targets(self.template, x, y, "evaluate", "test_step")
         data, dataset = self._padded(x, y, sample_weight, batch_size=batch_size)
         try:
@@ -168,6 +181,7 @@ class Calls:
 
     def test_on_batch(self, x, y=None, sample_weight=None, return_dict=False):
         self._sync_compile()
+        _check_compiled(self, "test_on_batch")
         batch = self._pad_one(x, y, sample_weight)
         with self._placed():
             return super().test_on_batch(*batch, return_dict=return_dict)
