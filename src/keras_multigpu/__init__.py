@@ -27,8 +27,8 @@ from keras_multigpu.devices import cpu_device_count as _cpu_device_count
 __version__ = "0.1.0"
 
 __all__ = [
-    "Device", "ParallelModel", "ReplicaStateWarning", "callbacks", "list_devices", "mixes_rows",
-    "multi_gpu_model", "schedules", "__version__",
+    "Checkpoint", "CheckpointError", "Device", "ParallelModel", "ReplicaStateWarning",
+    "callbacks", "list_devices", "mixes_rows", "multi_gpu_model", "schedules", "__version__",
 ]
 
 _FRAMEWORK_ERROR = None
@@ -43,6 +43,7 @@ else:
         from keras_multigpu import backends as _backends
         from keras_multigpu import callbacks, schedules
         from keras_multigpu._replica_state import ReplicaStateWarning
+        from keras_multigpu.checkpoint import Checkpoint, CheckpointError
         from keras_multigpu.parallel import ParallelModel, multi_gpu_model
         from keras_multigpu.rules_gather import mixes_rows
 
