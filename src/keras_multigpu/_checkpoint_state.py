@@ -11,6 +11,7 @@ import keras
 import numpy as np
 
 from keras_multigpu import backends, batching
+from keras_multigpu._checks import _optimizers
 from keras_multigpu._keras import global_state, io_utils, seed_generator
 
 CHECKPOINT_FORMAT = 1
@@ -59,10 +60,10 @@ def _own_draws(dataset):
     return f"a {type(source).__name__}"
 
 
-def _optimizer_name(model):
-    """The class of the optimizer `model` compiles, or None."""
-    optimizer = getattr(model, "optimizer", None)
-    return None if optimizer is None else type(optimizer).__name__
+def _optimizer_names(model):
+    """The classes of `model`'s optimizers (`_checks._optimizers`: the compiled one, the one
+    a LossScaleOptimizer wraps, a GAN's own), or None where it has none."""
+    return [type(optimizer).__name__ for optimizer in _optimizers(model)] or None
 
 
 def _numpy(variable):
@@ -95,7 +96,7 @@ class CheckpointState:
             "epoch": int(epoch), "step": int(step), "global_step": int(self._global),
             "num_batches": None if dataset is None else int(dataset.num_batches + dataset.skip),
             "replicas": model.num_replicas,
-            "optimizer": _optimizer_name(model.template),
+            "optimizers": _optimizer_names(model.template),
             "data": {"generators": generators, "now": now},
             "random": {**batching.generator_state(random),
                        **batching.generator_state(np.random)},
@@ -131,33 +132,41 @@ class CheckpointState:
                 "resume=False (or another directory) to start afresh."
             )
         optimizer = getattr(template, "optimizer", None)
-        written, mine = state.get("optimizer"), _optimizer_name(template)
+        written, mine = state.get("optimizers"), _optimizer_names(template)
         if written is not None and written != mine:
             raise CheckpointError(
-                f"Checkpoint {path} was written by a run with the optimizer {written}; this "
-                f"model compiles {mine}. Resume with the same optimizer, or pass "
+                f"Checkpoint {path} was written by a run with the optimizers {written}; this "
+                f"model has {mine}. Resume with the same optimizers, or pass "
                 "resume=False (or another directory) to start afresh.")
         if optimizer is not None and not optimizer.built:
             optimizer.build(template.trainable_variables)
+        # Another optimizer of the model's (a GAN's) is built by its first step, after this.
+        unbuilt = [o.name for o in _optimizers(template) if not o.built]
         try:
             with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
+                warnings.filterwarnings("always", message="Skipping variable loading")
                 template.load_weights(os.path.join(path, "model.keras"))
         except (ValueError, OSError) as error:
             raise CheckpointError(
                 f"Checkpoint {path} does not fit this model: {error}. Resume with the "
                 "program that wrote it, or pass resume=False."
             ) from error
+        # Keras loads what fits and warns of the rest ("Skipping variable loading for
+        # optimizer 'adam', because it has 10 variables whereas the saved optimizer has 2").
+        skipped = [w for w in caught if str(w.message).startswith("Skipping variable loading")]
         for warning in caught:
-            # Keras loads what fits and warns of the rest ("Skipping variable loading for
-            # optimizer 'adam', because it has 10 variables whereas the saved optimizer has
-            # 2"): a resume without it would not be exact.
-            if str(warning.message).startswith("Skipping variable loading"):
-                raise CheckpointError(
-                    f"Checkpoint {path} does not fit this model: {warning.message} Resume "
-                    "with the program that wrote it, or pass resume=False.")
-            warnings.warn_explicit(warning.message, warning.category, warning.filename,
-                                   warning.lineno)
+            if warning not in skipped:
+                warnings.warn_explicit(warning.message, warning.category, warning.filename,
+                                       warning.lineno)
+        if skipped and not unbuilt:
+            raise CheckpointError(
+                f"Checkpoint {path} does not fit this model: {skipped[0].message} Resume "
+                "with the program that wrote it, or pass resume=False.")
+        if skipped:
+            warnings.warn(
+                f"Checkpoint {path}: the state of the optimizer(s) {unbuilt}, which their "
+                "first step builds (after a checkpoint loads), is not restored: they start "
+                "afresh, and the resume is not exact.", stacklevel=2)
         generators = _seed_generators(template)
         for i, generator in enumerate(generators):
             if f"seed_{i}" in arrays:

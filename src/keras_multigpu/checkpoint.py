@@ -93,7 +93,7 @@ class Checkpoint(CheckpointState, keras.callbacks.Callback):
     - `model.keras`: the model with its optimizer state (so the learning-rate
       schedule's position, the optimizer's iteration count), a plain Keras file;
     - `state.json`: the epoch, the step within it, the global step, the
-      optimizer's class, the generators the data order is drawn from (as the
+      optimizers' classes, the generators the data order is drawn from (as the
       epoch started) and Python's and NumPy's global generators;
     - `arrays.npz`: the epoch's data order as read so far, the states of the
       model's `SeedGenerator`s (Dropout masks, noise) and of the metrics.
