@@ -336,7 +336,7 @@ class _MinibatchStd(keras.layers.Layer):
 
 
 def _mixing_model():
-    """Layers whose rows depend on the whole batch (`rules_gather.mixing_layers`, and a
+    """Layers whose rows depend on the whole batch (`rules_mixing.mixing_layers`, and a
     user's layer marked with `mixes_rows`), after a trainable convolution, whose gradient
     crosses replicas through them."""
     # RandomElasticTransform runs on torch only. Keras's own fails in a JAX step, on one
@@ -384,7 +384,7 @@ def test_a_layer_marked_alone_mixes_rows_and_its_class_does_not(gpus):
     model's other Lambda, of a row alone, is not gathered, and neither is Lambda, the class.
     Unmarked, the first differed silently (predictions 0.25 from one device's on TensorFlow
     and 0.36 on torch, 11 rows in batches of 4 on 3 devices)."""
-    from keras_multigpu import rules_gather
+    from keras_multigpu import rules_mixing
 
     def build():
         keras.utils.set_random_seed(0)
@@ -398,8 +398,8 @@ def test_a_layer_marked_alone_mixes_rows_and_its_class_does_not(gpus):
         optimizer=keras.optimizers.SGD(0.5), loss="sparse_categorical_crossentropy"))
         for count in (None, gpus)]
     _assert_same(*runs)
-    assert keras.layers.Lambda not in rules_gather._MARKED
-    assert not rules_gather._mixes(keras.layers.Lambda(lambda t: t))
+    assert keras.layers.Lambda not in rules_mixing._MARKED
+    assert not rules_mixing._mixes(keras.layers.Lambda(lambda t: t))
 
 
 class _RowCount(keras.layers.Layer):

@@ -45,7 +45,7 @@ else:
         from keras_multigpu._replica_state import ReplicaStateWarning
         from keras_multigpu.checkpoint import Checkpoint, CheckpointError
         from keras_multigpu.parallel import ParallelModel, multi_gpu_model
-        from keras_multigpu.rules_gather import mixes_rows
+        from keras_multigpu.rules_mixing import mixes_rows
 
         # Found by name where Keras rebuilds a ParallelModel from its config (clone_model).
         _saving.register_keras_serializable("keras_multigpu")(ParallelModel)

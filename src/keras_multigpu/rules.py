@@ -32,8 +32,6 @@ from keras_multigpu.rules_gather import (
     compiled_loss,
     loss_calls,
     loss_classes,
-    mixing_layer,
-    mixing_layers,
     one_value_loss,
     own_call_loss,
     switched_on,
@@ -48,6 +46,7 @@ from keras_multigpu.rules_metrics import (
     wrapped_update,
     wrapped_value,
 )
+from keras_multigpu.rules_mixing import mixing_layer, mixing_layers
 from keras_multigpu.rules_random import batch_draw, categorical, dropout, random_draw
 from keras_multigpu.rules_weights import (
     held,

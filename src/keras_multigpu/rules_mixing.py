@@ -1,0 +1,127 @@
+"""The exactness rule of a layer whose rows depend on the whole batch (Keras's `MixUp`, a
+layer the user marks with `mixes_rows`), written once in `keras.ops` (see `rules`): each
+replica runs it on the batch gathered from every replica (`rules_gather.gather_all`) and
+keeps its own rows."""
+
+import contextlib
+import functools
+import random
+import weakref
+
+import keras
+
+from keras_multigpu.rules_gather import gather_all, own_rows
+
+_MARKED = []  # the user's Layer classes marked with `mixes_rows`, in order
+_MARKED_LAYERS = weakref.WeakSet()  # the user's layers marked one by one (a Lambda)
+
+
+def mixes_rows(cls):
+    """Marks a Layer class whose rows depend on the whole batch, as Keras's `MixUp` does: a
+    minibatch standard deviation, a batch-centring layer, anything reducing over the batch.
+
+    On TensorFlow and torch, each replica then runs the layer on the batch gathered from
+    every replica (an all-reduce of its inputs, forward and backward) and keeps its own
+    rows, as one device computes them; unmarked, such a layer sees only its replica's rows
+    there. The JAX engine runs one step on the whole batch, with or without the mark. The
+    layer's first argument (a tensor, or a list or dict of them) is what is gathered: pass
+    every input of the batch's rows in it, not in further arguments. Subclasses
+    share it, unless they override `call` (their `call` runs on the replica's rows, and a
+    `super().call` on the gathered batch).
+
+        @keras_multigpu.mixes_rows
+        class MinibatchStd(keras.layers.Layer):
+            def call(self, x):
+                std = keras.ops.mean(keras.ops.std(x, axis=0))
+                return keras.ops.concatenate([x, keras.ops.ones_like(x[:, :1]) * std], -1)
+
+    A layer instance is marked alone, where its class is Keras's own (a `Lambda` of a
+    function over the batch): `mixes_rows(keras.layers.Lambda(lambda t: t - ops.mean(t,
+    axis=0)))`.
+
+    Returns:
+        `cls`, unchanged (a class decorator), or the layer marked.
+    """
+    if isinstance(cls, keras.layers.Layer):
+        _MARKED_LAYERS.add(cls)
+        return cls
+    if not (isinstance(cls, type) and issubclass(cls, keras.layers.Layer)):
+        raise TypeError(
+            "mixes_rows marks a keras.layers.Layer subclass (use it as a class decorator) "
+            f"or a layer. Received: {cls!r}.")
+    if cls not in _MARKED:
+        _MARKED.append(cls)
+    return cls
+
+
+def mixing_layers():
+    """Keras's layers whose rows depend on the whole batch, and those `mixes_rows` marked:
+    MixUp and CutMix mix each image with another image of the batch, RandomElasticTransform
+    draws its displacements inside the backend's image function, not through
+    `rules_random`'s draws, RandomGaussianBlur and RandAugment draw a shape of (2,) (the
+    sigmas, the operations), which an eager replica of 1 or 2 rows takes for a draw per row
+    (`rules_random.batch_draw`), and AugMix chooses its operations with Python's `random`.
+    Their operations refuse a batch of no rows, which a replica's share may be, and so does
+    MelSpectrogram's `stft`, whose decibel floor (`top_db`) is under the whole batch's peak."""
+    # For a layer marked alone, the class whose `call` it runs (`mixing_layer` then asks).
+    alone = tuple(next(c for c in type(layer).__mro__ if "call" in vars(c))
+                  for layer in list(_MARKED_LAYERS))
+    return tuple(dict.fromkeys(_marked_classes() + alone))
+
+
+def _mixes(layer):
+    """Whether `layer` runs on the gathered batch: of a marked class, or marked alone."""
+    return isinstance(layer, _marked_classes()) or layer in _MARKED_LAYERS
+
+
+def _marked_classes():
+    """Keras's classes of `mixing_layers`, then those `mixes_rows` marked."""
+    return _keras_mixing() + tuple(_MARKED)
+
+
+@functools.cache
+def _keras_mixing():
+    """Keras's own classes of `mixing_layers` (looked up once: `_mixes` asks at each call)."""
+    names = ("MixUp", "CutMix", "RandomElasticTransform", "RandomGaussianBlur", "RandAugment",
+             "AugMix", "MelSpectrogram")
+    return tuple(getattr(keras.layers, n) for n in names if hasattr(keras.layers, n))
+
+
+def mixing_layer(replica, original, layer, data, *args, **kwargs):
+    """A `mixing_layers` layer's `call` (`original`) on the global batch.
+
+    Every replica gathers the batch, runs the layer on it with the draws of one device for
+    n rows, and keeps its own rows of the result. So too where the layer passes its rows
+    through (`training=False`): every replica joins the all-reduce, and Keras's layer is
+    never called on a replica's share of no rows.
+    """
+    if not _mixes(layer):  # another layer of a class whose `call` a marked layer runs
+        return original(layer, data, *args, **kwargs)
+    k, start = replica.k, replica.start
+    batch = gather_all(replica, data, f"all-gather of the batch for {layer.name}")
+    replica.k, replica.start = replica.n, 0  # the layer's draws are one device's for the batch
+    try:
+        with _python_draws_alike(replica, layer):
+            mixed = original(layer, batch, *args, **kwargs)
+    finally:
+        replica.k, replica.start = k, start
+    return keras.tree.map_structure(lambda x: own_rows(replica, x), mixed)
+
+
+@contextlib.contextmanager
+def _python_draws_alike(replica, layer):
+    """Python's `random` as the first replica found it, for each replica's call of `layer`:
+    AugMix chooses its operations with it as its step is traced, and TensorFlow traces
+    its replicas one after another in one process, each moving it on. Every replica then
+    chooses what one device chooses, which leaves it moved on once. (torch's processes
+    each hold their own, process 0's.)"""
+    if not replica.traced:
+        yield
+        return
+    held = layer.__dict__.setdefault("_keras_multigpu_python_draws", [None, 0])
+    if held[1] == 0:
+        held[0] = random.getstate()
+    else:
+        random.setstate(held[0])
+    held[1] = (held[1] + 1) % replica.replicas
+    yield
