@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import keras_multigpu as kmg
+from conftest import engine_gpus
 from keras_multigpu.callbacks import Checkpoint, CheckpointError
 
 pytestmark = pytest.mark.slow  # several processes or whole runs: not in the fast loop
@@ -447,6 +448,26 @@ def test_a_folder_that_cannot_be_written_fails_at_the_start(tmp_path):
         parallel.fit(*DATA, batch_size=8, epochs=1, verbose=0,
                      callbacks=[Checkpoint(blocked / "ckpt")])
     assert int(parallel.optimizer.iterations.numpy()) == 0  # refused before any step
+
+
+@pytest.mark.ranks(2)
+def test_a_folder_that_cannot_be_written_stops_every_process(tmp_path):
+    """Process 0 checks the folder, and every process raises: none goes on to wait in the
+    first step for a process 0 that caught the error (torch's two processes here)."""
+    blocked = tmp_path / "a-file"
+    if os.environ.get("RANK", "0") == "0":
+        blocked.write_text("a file where the folder should go")
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    parallel = kmg.multi_gpu_model(model, gpus=engine_gpus(2))
+    parallel.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(OSError, match="Checkpoint cannot write to .*a-file/ckpt"):
+        parallel.fit(*DATA, batch_size=8, epochs=1, verbose=0,
+                     callbacks=[Checkpoint(blocked / "ckpt")])
+    assert int(parallel.optimizer.iterations.numpy()) == 0
+    # The program caught it and goes on, every process alike.
+    parallel.fit(*DATA, batch_size=8, epochs=1, verbose=0)
+    assert int(parallel.optimizer.iterations.numpy()) == 5
 
 
 def test_resume_false_starts_afresh(tmp_path):

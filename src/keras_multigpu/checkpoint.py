@@ -11,7 +11,7 @@ import zipfile
 import keras
 import numpy as np
 
-from keras_multigpu import _io, backends
+from keras_multigpu import _io, backends, processes
 from keras_multigpu._checkpoint_state import (
     CHECKPOINT_FORMAT,
     CheckpointError,
@@ -240,6 +240,23 @@ class Checkpoint(CheckpointState, keras.callbacks.Callback):
             if _dead_leftover(name):
                 _remove(os.path.join(self.directory, name))
 
+    def _prepare_directory_everywhere(self):
+        """`_prepare_directory` on process 0, whose outcome every process learns: where it
+        fails, each raises, rather than going on to wait in the first step's collectives
+        for a process 0 that stopped (or caught the error and went on elsewhere)."""
+        problem = None
+        if self._writer():
+            try:
+                self._prepare_directory()
+            except OSError as error:
+                problem = error
+        said = processes.all_gather_object(
+            None if problem is None else str(problem), "the Checkpoint's check of its folder")
+        if problem is not None:
+            raise problem
+        if said[0] is not None:
+            raise OSError(f"Process 0 could not prepare the Checkpoint's folder: {said[0]}")
+
     def save(self, epoch, step):
         """Writes a checkpoint of the position `(epoch, step)` (steps done in `epoch`).
 
@@ -304,8 +321,7 @@ class Checkpoint(CheckpointState, keras.callbacks.Callback):
                 "arrays or a keras.utils.PyDataset of known length, or save_freq='epoch' "
                 "(a checkpoint at each epoch's end)."
             )
-        if self._writer():
-            self._prepare_directory()
+        self._prepare_directory_everywhere()
         found, self._found = self._found, None
         if self.resume and found is None:
             found = self._newest_readable()
