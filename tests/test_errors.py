@@ -368,6 +368,19 @@ class _StackedPairs(keras.utils.PyDataset):
         return np.random.default_rng(index).normal(size=(2, 4, 6)).astype("float32")
 
 
+def test_x_of_another_feature_count_names_both_shapes(parallel):
+    """One line naming the rows' shapes, where Keras wraps its error in the model's call
+    (ANSI codes, an "Arguments received" block, a batch's shape for x's)."""
+    parallel = parallel.get() if isinstance(parallel, PerProcess) else parallel
+    x, y = _data(24, features=5)
+    with pytest.raises(ValueError) as raised:
+        parallel.fit(x, y, batch_size=6, epochs=1, verbose=0)
+    said = str(raised.value)
+    assert re.search(r"each row of x has the shape \(5,\), and the model's input takes rows of "
+                     r"the shape \(6,\)", said), said
+    assert "\x1b" not in said and "Arguments received" not in said
+
+
 def test_a_batch_whose_first_axis_is_not_its_samples_is_named():
     inputs = keras.Input((6,))
     parallel = kmg.multi_gpu_model(_OwnStep(inputs, keras.layers.Dense(4)(inputs)),

@@ -3,6 +3,7 @@ and what to do, before anything starts (Keras would fail later, or deep inside).
 
 import collections.abc
 import inspect
+import re
 
 import keras
 import numpy as np
@@ -48,6 +49,35 @@ def _rows_not_first(template, data_batch, error):
         "data[0] and data[1]) cannot be split: feed batches whose arrays each have the "
         f"samples first, or train this model without the wrapper. Keras said: {error}"
     )
+
+
+def _input_mismatch(template, data_batch, error):
+    """One line where the batch's arrays do not fit the model's inputs (Keras's own error,
+    `error`, wraps it in the model's call: ANSI codes and an "Arguments received" block),
+    naming the shapes of the rows both have, else None (a model without declared inputs,
+    or whose inputs x fits: a layer inside the model is what is wrong)."""
+    said = next((line for line in str(error).splitlines() if "is incompatible with" in line),
+                None)
+    inputs = tree.flatten(getattr(template, "inputs", None) or [])
+    if said is None or not inputs:
+        return None
+    x = data_batch[0] if isinstance(data_batch, (tuple, list)) else data_batch
+    rows = [tuple(getattr(a, "shape", ()))[1:] for a in tree.flatten(x)]
+    takes = [tuple(i.shape)[1:] for i in inputs]
+    if len(rows) == len(takes) and all(
+            len(r) == len(t) and all(b is None or a == b for a, b in zip(r, t))
+            for r, t in zip(rows, takes)):
+        return None
+
+    def shapes(listed):
+        return listed[0] if len(listed) == 1 else listed
+
+    said = re.sub(r"\x1b\[[0-9;]*m", "", said).strip()
+    return ValueError(
+        f"x does not fit {type(template).__name__} {template.name!r}: each row of x has "
+        f"the shape {shapes(rows)}, and the model's input takes rows of the shape "
+        f"{shapes(takes)}. Keras said: {said.rstrip('.')}. Pass x whose rows have the shape "
+        "the model takes, or build the model for x's.")
 
 
 def _checked_step_result(template, step, result, stateless):

@@ -31,6 +31,7 @@ from keras_multigpu._checks import (
     _check_reductions,
     _checked_step_result,
     _compile_arguments,
+    _input_mismatch,
     _needs_symbolic_build,
     _optimizers,
     _rows_not_first,
@@ -243,7 +244,8 @@ class ParallelModel(Calls, TemplateFace, keras.Model):
         try:
             self.template._symbolic_build(data_batch=data_batch)
         except ValueError as error:
-            clearer = _rows_not_first(self.template, data_batch, error)
+            clearer = _rows_not_first(self.template, data_batch, error) or _input_mismatch(
+                self.template, data_batch, error)
             if clearer is None:
                 raise
             raise clearer from error
