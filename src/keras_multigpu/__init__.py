@@ -31,43 +31,60 @@ __all__ = [
     "callbacks", "list_devices", "mixes_rows", "multi_gpu_model", "schedules", "__version__",
 ]
 
+# The names that need Keras, imported on first use (the command line's `devices`,
+# `launch` and its argument errors start no framework), or at import where the framework
+# must start now (below).
+_NEEDS_KERAS = {
+    "Checkpoint": "checkpoint", "CheckpointError": "checkpoint", "ParallelModel": "parallel",
+    "multi_gpu_model": "parallel", "ReplicaStateWarning": "_replica_state",
+    "mixes_rows": "rules_mixing", "callbacks": None, "schedules": None,
+}
 _FRAMEWORK_ERROR = None
-try:
-    import keras as _keras  # noqa: F401 - fails when Keras's backend is not installed
-except Exception as _error:  # ImportError, or what a broken framework install raises
-    _FRAMEWORK_ERROR = _error
-else:
+
+
+def _load():
+    """Imports the names that need Keras, or keeps why it cannot (Keras's backend is not
+    installed, or this Keras moved an internal: `_extras.KerasVersionError`)."""
+    global _FRAMEWORK_ERROR
     try:
-        from keras import saving as _saving
+        import keras  # noqa: F401 - fails when Keras's backend is not installed
+    except Exception as error:  # ImportError, or what a broken framework install raises
+        _FRAMEWORK_ERROR = error
+        return False
+    import importlib
 
+    try:
+        for name, module in _NEEDS_KERAS.items():
+            loaded = importlib.import_module(f"keras_multigpu.{module or name}")
+            globals()[name] = loaded if module is None else getattr(loaded, name)
+    except _extras.KerasVersionError as error:
+        _FRAMEWORK_ERROR = error
+        return False
+    return True
+
+
+def __getattr__(name):
+    if name in _NEEDS_KERAS and _FRAMEWORK_ERROR is None and _load():
+        return globals()[name]
+    if name in _NEEDS_KERAS:
+        # `keras-multigpu devices` and `launch` work without a usable framework; the rest
+        # needs one, and says why in one line when it is first used.
+        if isinstance(_FRAMEWORK_ERROR, _extras.KerasVersionError):
+            raise _FRAMEWORK_ERROR
+        raise _extras.no_framework(_FRAMEWORK_ERROR, f"keras_multigpu.{name}")
+    raise AttributeError(f"module 'keras_multigpu' has no attribute {name!r}")
+
+
+if "LOCAL_RANK" in _os.environ or "TF_CONFIG" in _os.environ or _cpu_device_count():
+    # Started by `keras-multigpu launch` (or torchrun), or as one of several TensorFlow
+    # workers: the engine picks this process's device, or joins the other workers, before
+    # the user's model is built (TensorFlow joins them only as its runtime starts). With
+    # KERAS_MULTIGPU_CPU_DEVICES, the engine asks for that many virtual CPU devices before
+    # the framework starts.
+    if _load():
         from keras_multigpu import backends as _backends
-        from keras_multigpu import callbacks, schedules
-        from keras_multigpu._replica_state import ReplicaStateWarning
-        from keras_multigpu.checkpoint import Checkpoint, CheckpointError
-        from keras_multigpu.parallel import ParallelModel, multi_gpu_model
-        from keras_multigpu.rules_mixing import mixes_rows
 
-        # Found by name where Keras rebuilds a ParallelModel from its config (clone_model).
-        _saving.register_keras_serializable("keras_multigpu")(ParallelModel)
-    except _extras.KerasVersionError as _error:
-        _FRAMEWORK_ERROR = _error  # a Keras outside the tested range: said on first use
-
-if _FRAMEWORK_ERROR is not None:
-    # `keras-multigpu devices` and `launch` work without a usable framework; the rest
-    # needs one, and says why in one line when it is first used.
-    def __getattr__(name):
-        if name in __all__:
-            if isinstance(_FRAMEWORK_ERROR, _extras.KerasVersionError):
-                raise _FRAMEWORK_ERROR
-            raise _extras.no_framework(_FRAMEWORK_ERROR, f"keras_multigpu.{name}")
-        raise AttributeError(f"module 'keras_multigpu' has no attribute {name!r}")
-else:
-    if "LOCAL_RANK" in _os.environ or "TF_CONFIG" in _os.environ:
-        # Started by `keras-multigpu launch` (or torchrun), or as one of several TensorFlow
-        # workers: the engine picks this process's device, or joins the other workers,
-        # before the user's model is built (TensorFlow joins them only as its runtime
-        # starts).
-        _backends.current()
-
-    if _cpu_device_count() and _backends.has(_backends.current(), "cpu_devices"):
-        _backends.current().configure_cpu_devices(_cpu_device_count())
+        if "LOCAL_RANK" in _os.environ or "TF_CONFIG" in _os.environ:
+            _backends.current()
+        if _cpu_device_count() and _backends.has(_backends.current(), "cpu_devices"):
+            _backends.current().configure_cpu_devices(_cpu_device_count())

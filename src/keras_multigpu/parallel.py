@@ -106,6 +106,8 @@ def _symbolic(value):
     return keras.KerasTensor(value.shape, dtype)
 
 
+# Found by name where Keras rebuilds a ParallelModel from its config (clone_model).
+@keras.saving.register_keras_serializable("keras_multigpu")
 class ParallelModel(Calls, TemplateFace, keras.Model):
     """A model replicated on `devices`, each global batch split among them.
 
