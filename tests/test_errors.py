@@ -381,6 +381,20 @@ def test_x_of_another_feature_count_names_both_shapes(parallel):
     assert "\x1b" not in said and "Arguments received" not in said
 
 
+def test_y_of_another_width_names_both_shapes(parallel):
+    """One line naming the rows' shapes, where the framework's error comes from inside the
+    loss (JAX's "sub got incompatible shapes", torch's "The size of tensor a")."""
+    parallel = parallel.get() if isinstance(parallel, PerProcess) else parallel
+    x, y = _data(24)
+    with pytest.raises(ValueError, match=r"each row of y has the shape \(5,\), and the model's "
+                                         r"output gives rows of the shape \(3,\)"):
+        parallel.fit(x, np.concatenate([y, y[:, :2]], axis=1), batch_size=6, epochs=1,
+                     verbose=0)
+    # Class indices for a sparse loss are y's own business: left to Keras.
+    parallel.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    parallel.fit(x, y.argmax(1)[:, None], batch_size=6, epochs=1, verbose=0)
+
+
 def test_a_batch_whose_first_axis_is_not_its_samples_is_named():
     inputs = keras.Input((6,))
     parallel = kmg.multi_gpu_model(_OwnStep(inputs, keras.layers.Dense(4)(inputs)),

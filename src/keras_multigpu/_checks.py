@@ -69,15 +69,52 @@ def _input_mismatch(template, data_batch, error):
             for r, t in zip(rows, takes)):
         return None
 
-    def shapes(listed):
-        return listed[0] if len(listed) == 1 else listed
-
     said = re.sub(r"\x1b\[[0-9;]*m", "", said).strip()
     return ValueError(
         f"x does not fit {type(template).__name__} {template.name!r}: each row of x has "
-        f"the shape {shapes(rows)}, and the model's input takes rows of the shape "
-        f"{shapes(takes)}. Keras said: {said.rstrip('.')}. Pass x whose rows have the shape "
+        f"the shape {_one(rows)}, and the model's input takes rows of the shape "
+        f"{_one(takes)}. Keras said: {said.rstrip('.')}. Pass x whose rows have the shape "
         "the model takes, or build the model for x's.")
+
+
+def _target_mismatch(template, data_batch, error):
+    """One line where the batch's targets do not fit the model's outputs (a framework's
+    error from inside the loss: JAX's "sub got incompatible shapes"), naming the rows'
+    shapes of both, else None. Targets of one column, or of fewer axes (class indices for
+    a sparse loss), are left to Keras."""
+    outputs = tree.flatten(getattr(template, "outputs", None) or [])
+    if not (isinstance(data_batch, (tuple, list)) and len(data_batch) > 1) or not outputs:
+        return None
+    try:
+        targets = [tuple(getattr(t, "shape", ()))[1:] for t in tree.flatten(data_batch[1])]
+        gives = [tuple(o.shape)[1:] for o in outputs]
+    except (TypeError, ValueError):  # a shape of unknown rank
+        return None
+    if len(targets) != len(gives) or not any(
+            len(t) == len(g) and t[-1:] != (1,) and any(
+                b is not None and a is not None and a != b for a, b in zip(t, g))
+            for t, g in zip(targets, gives)):
+        return None
+    said = next(iter(re.sub(r"\x1b\[[0-9;]*m", "", str(error)).strip().splitlines()), "")
+    return ValueError(
+        f"y does not fit {type(template).__name__} {template.name!r}: each row of y has the "
+        f"shape {_one(targets)}, and the model's output gives rows of the shape "
+        f"{_one(gives)}. {type(error).__name__}: {said.rstrip('.')}. Pass y whose rows have "
+        "the output's shape, or a loss that takes y's (a sparse loss takes class indices).")
+
+
+def _build_error(template, data_batch, error):
+    """A clearer error where the model cannot be built from the batch it is fed, or None."""
+    if isinstance(error, ValueError):
+        clearer = _rows_not_first(template, data_batch, error) or _input_mismatch(
+            template, data_batch, error)
+        if clearer is not None:
+            return clearer
+    return _target_mismatch(template, data_batch, error)
+
+
+def _one(shapes):
+    return shapes[0] if len(shapes) == 1 else shapes
 
 
 def _checked_step_result(template, step, result, stateless):

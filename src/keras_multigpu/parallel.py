@@ -25,16 +25,15 @@ from keras_multigpu import _keras, backends, batching, launch, processes
 from keras_multigpu import devices as devices_lib
 from keras_multigpu._calls import Calls
 from keras_multigpu._checks import (
+    _build_error,
     _builds_in_its_step,
     _check_batch_state,
     _check_gradient_accumulation,
     _check_reductions,
     _checked_step_result,
     _compile_arguments,
-    _input_mismatch,
     _needs_symbolic_build,
     _optimizers,
-    _rows_not_first,
     _step_builds_it,
 )
 from keras_multigpu._face import TemplateFace
@@ -245,9 +244,8 @@ class ParallelModel(Calls, TemplateFace, keras.Model):
             data_batch = self._backend.untag(tree.map_structure(_symbolic, data_batch))
         try:
             self.template._symbolic_build(data_batch=data_batch)
-        except ValueError as error:
-            clearer = _rows_not_first(self.template, data_batch, error) or _input_mismatch(
-                self.template, data_batch, error)
+        except Exception as error:  # each framework's own, for a shape that does not fit
+            clearer = _build_error(self.template, data_batch, error)
             if clearer is None:
                 raise
             raise clearer from error
