@@ -75,6 +75,10 @@ def __getattr__(name):
     raise AttributeError(f"module 'keras_multigpu' has no attribute {name!r}")
 
 
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
+
 if "LOCAL_RANK" in _os.environ or "TF_CONFIG" in _os.environ or _cpu_device_count():
     # Started by `keras-multigpu launch` (or torchrun), or as one of several TensorFlow
     # workers: the engine picks this process's device, or joins the other workers, before
