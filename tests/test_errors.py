@@ -395,6 +395,37 @@ def test_y_of_another_width_names_both_shapes(parallel):
     parallel.fit(x, y.argmax(1)[:, None], batch_size=6, epochs=1, verbose=0)
 
 
+def _two_by_two(cls_loss="binary_crossentropy"):
+    tokens, aux = keras.Input((8,), name="tokens"), keras.Input((4,), name="aux")
+    joined = keras.layers.Concatenate()([tokens, aux])
+    model = keras.Model([tokens, aux], [keras.layers.Dense(4, name="reg")(joined),
+                                        keras.layers.Dense(10, name="cls")(joined)])
+    parallel = kmg.multi_gpu_model(model, gpus=engine_gpus(2))
+    parallel.compile(optimizer="sgd", loss={"reg": "mse", "cls": cls_loss})
+    return parallel
+
+
+def test_dicts_are_matched_by_name_in_the_shapes_named():
+    """x and y as dicts, keyed in another order than the model declares them: an array that
+    does not fit is named in the model's order; a loss's own shape error, where y fits, is
+    left as Keras raised it (not blamed on y)."""
+    rng = np.random.default_rng(0)
+    y = {"cls": rng.random((12, 10), "float32"), "reg": rng.random((12, 4), "float32")}
+    x = {"aux": rng.random((12, 5), "float32"), "tokens": rng.random((12, 8), "float32")}
+    with pytest.raises(ValueError, match=r"each row of x has the shape \[\(8,\), \(5,\)\], and "
+                                         r"the model's input takes rows of the shape "
+                                         r"\[\(8,\), \(4,\)\]"):
+        _two_by_two().fit(x, y, batch_size=4, epochs=1, verbose=0)
+
+    def failing(y_true, y_pred):
+        raise ValueError("a shape this loss refuses")
+
+    x["aux"] = x["aux"][:, :4]
+    with pytest.raises(ValueError, match="a shape this loss refuses") as raised:
+        _two_by_two(failing).fit(x, y, batch_size=4, epochs=1, verbose=0)
+    assert "does not have the rows" not in str(raised.value)
+
+
 def test_a_batch_whose_first_axis_is_not_its_samples_is_named():
     inputs = keras.Input((6,))
     parallel = kmg.multi_gpu_model(_OwnStep(inputs, keras.layers.Dense(4)(inputs)),

@@ -90,6 +90,29 @@ def test_import_loads_neither_the_monitor_nor_nvml():
     assert result.stdout.split("\n")[:2] == ["[]", "keras_multigpu.monitor"]
 
 
+def test_the_command_starts_no_framework_and_the_library_registers_its_classes():
+    """The `keras-multigpu` command imports Keras only for what needs it (its argument
+    errors, `devices` and `launch` then take a fraction of a second); a program importing
+    the package finds its Keras classes registered for `keras.saving.load_model`."""
+    command = _python("""
+        import sys
+        sys.argv = ["keras-multigpu", "frobnicate"]
+        from keras_multigpu import cli
+        try:
+            cli.main()
+        except SystemExit as exit:
+            print(exit.code, "keras" in sys.modules)
+    """, env={"KERAS_BACKEND": "jax"})
+    assert command.stdout.split() == ["2", "False"], command.stdout + command.stderr
+    assert "invalid choice: 'frobnicate'" in command.stderr
+    library = _python("""
+        import keras_multigpu
+        import keras
+        print(keras.saving.get_registered_object("keras_multigpu>LinearScaling").__name__)
+    """, env={"KERAS_BACKEND": "jax"})
+    assert library.stdout.split() == ["LinearScaling"], library.stdout + library.stderr
+
+
 def test_a_missing_monitor_extra_is_named_in_one_line():
     result = _python(BLOCK.format(names=("matplotlib",)) + textwrap.dedent("""
         import keras_multigpu as kmg

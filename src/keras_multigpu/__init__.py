@@ -19,6 +19,7 @@ has not started, asks for that many virtual CPU devices.
 """
 
 import os as _os
+import sys as _sys
 
 from keras_multigpu import _extras
 from keras_multigpu.devices import Device, list_devices
@@ -31,9 +32,9 @@ __all__ = [
     "callbacks", "list_devices", "mixes_rows", "multi_gpu_model", "schedules", "__version__",
 ]
 
-# The names that need Keras, imported on first use (the command line's `devices`,
-# `launch` and its argument errors start no framework), or at import where the framework
-# must start now (below).
+# The names that need Keras: imported with the package, as any library's, but on first use
+# in the `keras-multigpu` command (`_the_command`), whose devices, launch and argument
+# errors then start no framework.
 _NEEDS_KERAS = {
     "Checkpoint": "checkpoint", "CheckpointError": "checkpoint", "ParallelModel": "parallel",
     "multi_gpu_model": "parallel", "ReplicaStateWarning": "_replica_state",
@@ -79,12 +80,23 @@ def __dir__():
     return sorted(set(globals()) | set(__all__))
 
 
-if "LOCAL_RANK" in _os.environ or "TF_CONFIG" in _os.environ or _cpu_device_count():
+def _the_command():
+    """Whether this process is the `keras-multigpu` command: its console script, or
+    `python -m keras_multigpu.cli` (as the package is imported, before either runs)."""
+    argv = _sys.orig_argv
+    named = _os.path.basename(_sys.argv[0] if _sys.argv else "").removesuffix(".exe")
+    return named == "keras-multigpu" or (
+        "-m" in argv and argv[argv.index("-m") + 1:][:1] == ["keras_multigpu.cli"])
+
+
+if not _the_command() or "LOCAL_RANK" in _os.environ or "TF_CONFIG" in _os.environ or (
+        _cpu_device_count()):
     # Started by `keras-multigpu launch` (or torchrun), or as one of several TensorFlow
     # workers: the engine picks this process's device, or joins the other workers, before
     # the user's model is built (TensorFlow joins them only as its runtime starts). With
     # KERAS_MULTIGPU_CPU_DEVICES, the engine asks for that many virtual CPU devices before
-    # the framework starts.
+    # the framework starts. Loading also registers the package's Keras classes
+    # (`LinearScaling`) for `keras.saving.load_model`.
     if _load():
         from keras_multigpu import backends as _backends
 

@@ -51,6 +51,31 @@ def _rows_not_first(template, data_batch, error):
     )
 
 
+def _rows(data, tensors, names):
+    """The row shapes of `data`'s arrays in the order of `tensors` (the model's inputs or
+    outputs; a dict of arrays is matched by `names`, as Keras matches it), of `tensors`,
+    and whether any pair differs; None where they cannot be paired or a shape is of
+    unknown rank."""
+    try:
+        if isinstance(data, dict):
+            if not names or any(n not in data for n in names):
+                return None
+            data = [data[n] for n in names]
+        arrays = tree.flatten(data)
+        rows = [tuple(getattr(a, "shape", ()))[1:] for a in arrays]
+        takes = [tuple(t.shape)[1:] for t in tensors]
+    except (TypeError, ValueError):
+        return None
+    if len(rows) != len(takes):
+        return None
+
+    def fits(r, t):  # Keras adds a last axis of 1 to an array of one axis fewer
+        r = r + (1,) if len(r) + 1 == len(t) and t[-1:] == (1,) else r
+        return len(r) == len(t) and all(a is None or b is None or a == b for a, b in zip(r, t))
+
+    return rows, takes, [not fits(r, t) for r, t in zip(rows, takes)]
+
+
 def _input_mismatch(template, data_batch, error):
     """One line where the batch's arrays do not fit the model's inputs (Keras's own error,
     `error`, wraps it in the model's call: ANSI codes and an "Arguments received" block),
@@ -59,16 +84,11 @@ def _input_mismatch(template, data_batch, error):
     said = next((line for line in str(error).splitlines() if "is incompatible with" in line),
                 None)
     inputs = tree.flatten(getattr(template, "inputs", None) or [])
-    if said is None or not inputs:
-        return None
     x = data_batch[0] if isinstance(data_batch, (tuple, list)) else data_batch
-    rows = [tuple(getattr(a, "shape", ()))[1:] for a in tree.flatten(x)]
-    takes = [tuple(i.shape)[1:] for i in inputs]
-    if len(rows) == len(takes) and all(
-            len(r) == len(t) and all(b is None or a == b for a, b in zip(r, t))
-            for r, t in zip(rows, takes)):
+    found = _rows(x, inputs, [i.name for i in inputs]) if said and inputs else None
+    if found is None or not any(found[2]):
         return None
-
+    rows, takes, _ = found
     said = re.sub(r"\x1b\[[0-9;]*m", "", said).strip()
     return ValueError(
         f"x does not fit {type(template).__name__} {template.name!r}: each row of x has "
@@ -78,27 +98,28 @@ def _input_mismatch(template, data_batch, error):
 
 
 def _target_mismatch(template, data_batch, error):
-    """One line where the batch's targets do not fit the model's outputs (a framework's
-    error from inside the loss: JAX's "sub got incompatible shapes"), naming the rows'
-    shapes of both, else None. Targets of one column, or of fewer axes (class indices for
-    a sparse loss), are left to Keras."""
+    """One line where building the loss failed on a shape (a framework's error from inside
+    the loss: JAX's "sub got incompatible shapes", torch's "The size of tensor a") and the
+    batch's targets do not have the rows of the model's outputs, naming both, else None.
+    Targets of one column, or of fewer axes (class indices for a sparse loss), are left to
+    Keras."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error)).strip()
     outputs = tree.flatten(getattr(template, "outputs", None) or [])
-    if not (isinstance(data_batch, (tuple, list)) and len(data_batch) > 1) or not outputs:
+    if not (isinstance(error, (ValueError, TypeError, RuntimeError)) and re.search(
+            r"shape|size|[Dd]imension", text) and isinstance(data_batch, (tuple, list))
+            and len(data_batch) > 1 and outputs):
         return None
-    try:
-        targets = [tuple(getattr(t, "shape", ()))[1:] for t in tree.flatten(data_batch[1])]
-        gives = [tuple(o.shape)[1:] for o in outputs]
-    except (TypeError, ValueError):  # a shape of unknown rank
+    found = _rows(data_batch[1], outputs, getattr(template, "output_names", None))
+    if found is None or not any(
+            differs and len(t) == len(g) and t[-1:] != (1,)
+            for t, g, differs in zip(*found)):
         return None
-    if len(targets) != len(gives) or not any(
-            len(t) == len(g) and t[-1:] != (1,) and any(
-                b is not None and a is not None and a != b for a, b in zip(t, g))
-            for t, g in zip(targets, gives)):
-        return None
-    said = next(iter(re.sub(r"\x1b\[[0-9;]*m", "", str(error)).strip().splitlines()), "")
+    targets, gives, _ = found
+    said = next(iter(text.splitlines()), "")
     return ValueError(
-        f"y does not fit {type(template).__name__} {template.name!r}: each row of y has the "
-        f"shape {_one(targets)}, and the model's output gives rows of the shape "
+        f"fit could not build {type(template).__name__} {template.name!r}'s loss from the "
+        f"first batch, whose y does not have the rows of the model's output: each row of y "
+        f"has the shape {_one(targets)}, and the model's output gives rows of the shape "
         f"{_one(gives)}. {type(error).__name__}: {said.rstrip('.')}. Pass y whose rows have "
         "the output's shape, or a loss that takes y's (a sparse loss takes class indices).")
 
