@@ -10,14 +10,15 @@
 #   launcher tests across machines (tests/test_multihost.py) and the benchmark harness's
 #   (tests/test_bench.py), and the
 #   next Keras's exactness tests on torch, with torch's share of the real programs (whose
-#   own trainer changed most on the next Keras: DDP and metrics across processes).
+#   own trainer changed most on the next Keras: DDP and metrics across processes); then
+#   TensorFlow's several-worker tests (tests/test_multihost_tf.py) and the launcher's own
+#   tests (tests/test_launch.py, on JAX).
 # - Stream 2: the behaviour suite on TensorFlow (two pytest processes) and on PyTorch
 #   (whose multi-device tests fork one gloo process per device): the rule units, the engine
 #   contract, the real Keras programs, semantics, parallel, errors, inputs, saving, callbacks
 #   and the checkpoint's in-process tests (its killed runs start each engine in the JAX run),
-#   with TensorFlow's several-worker tests (tests/test_multihost_tf.py), and TensorFlow's
-#   exactness tests on the next Keras (whose trainer traces a step on a concrete batch);
-#   then the launcher's own tests (tests/test_launch.py, on JAX).
+#   and TensorFlow's exactness tests on the next Keras (whose trainer traces a step on a
+#   concrete batch).
 # The split keeps the two streams near the same length. The widest sweeps run a rotation:
 # each real program on one of the three engines (tests/test_programs.py's `ENGINE`), and each
 # case of the device-count sweeps at some of the counts (tests/conftest.py's `rotated`);
@@ -103,6 +104,12 @@ stream1() {
   next_keras jax || status=1
   run torch-hosts torch tests/test_multihost.py tests/test_bench.py || status=1
   next_keras torch || status=1
+  # TensorFlow's several-worker tests (their workers join at import, before TensorFlow's
+  # runtime starts, so they run in processes of their own) and the launcher's: here, where
+  # they even the streams out (2170 s against 2580 s without them, at 2b77898).
+  (unset XLA_FLAGS; KERAS_MULTIGPU_TEST_NO_GRAPPLER=0 run tensorflow-hosts tensorflow \
+      tests/test_multihost_tf.py) || status=1
+  run launch jax tests/test_launch.py || status=1
   return $status
 }
 stream1 "$@" > "$logs/stream1" 2>&1 &
@@ -116,15 +123,13 @@ behaviour="tests/test_semantics.py tests/test_parallel.py tests/test_errors.py
   tests/test_inputs.py tests/test_saving.py tests/test_callbacks.py $checkpoint"
 # TensorFlow's in two processes: late in one long process, one test of test_callbacks took
 # 134 to 281 s (6 s alone; its stack: tf.function tracing a dataset iterator) in three of
-# the last runs. TensorFlow's workers join at import, before its runtime starts: their
-# test runs there.
+# the last runs.
 run tensorflow tensorflow $contract || status=1
-KERAS_MULTIGPU_TEST_NO_GRAPPLER=0 run tensorflow-behaviour tensorflow $behaviour tests/test_multihost_tf.py || status=1
+KERAS_MULTIGPU_TEST_NO_GRAPPLER=0 run tensorflow-behaviour tensorflow $behaviour || status=1
 next_keras tensorflow > "$logs/next-tensorflow" 2>&1 || status=1
 cat "$logs/next-tensorflow"
 run torch torch $contract $behaviour || status=1
-XLA_FLAGS=$jax_flags run launch jax tests/test_launch.py || status=1
 wait "$first" || status=1
-echo "== stream 1: JAX, the next Keras, torch across machines"
+echo "== stream 1: JAX, the next Keras, torch across machines, TensorFlow's workers, the launcher"
 cat "$logs/stream1"
 exit "$status"
