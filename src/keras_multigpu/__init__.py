@@ -65,15 +65,15 @@ def _load():
 
 
 def __getattr__(name):
-    if name in _NEEDS_KERAS and _FRAMEWORK_ERROR is None and _load():
+    if name not in _NEEDS_KERAS:
+        raise AttributeError(f"module 'keras_multigpu' has no attribute {name!r}")
+    if _FRAMEWORK_ERROR is None and _load():
         return globals()[name]
-    if name in _NEEDS_KERAS:
-        # `keras-multigpu devices` and `launch` work without a usable framework; the rest
-        # needs one, and says why in one line when it is first used.
-        if isinstance(_FRAMEWORK_ERROR, _extras.KerasVersionError):
-            raise _FRAMEWORK_ERROR
-        raise _extras.no_framework(_FRAMEWORK_ERROR, f"keras_multigpu.{name}")
-    raise AttributeError(f"module 'keras_multigpu' has no attribute {name!r}")
+    # `keras-multigpu devices` and `launch` work without a usable framework; the rest
+    # needs one, and says why in one line when it is first used.
+    if isinstance(_FRAMEWORK_ERROR, _extras.KerasVersionError):
+        raise _FRAMEWORK_ERROR
+    raise _extras.no_framework(_FRAMEWORK_ERROR, f"keras_multigpu.{name}")
 
 
 def __dir__():
@@ -89,18 +89,18 @@ def _the_command():
         "-m" in argv and argv[argv.index("-m") + 1:][:1] == ["keras_multigpu.cli"])
 
 
-if not _the_command() or "LOCAL_RANK" in _os.environ or "TF_CONFIG" in _os.environ or (
-        _cpu_device_count()):
+_LAUNCHED = "LOCAL_RANK" in _os.environ or "TF_CONFIG" in _os.environ
+_CPUS = _cpu_device_count()
+if not _the_command() or _LAUNCHED or _CPUS:
     # Started by `keras-multigpu launch` (or torchrun), or as one of several TensorFlow
     # workers: the engine picks this process's device, or joins the other workers, before
     # the user's model is built (TensorFlow joins them only as its runtime starts). With
     # KERAS_MULTIGPU_CPU_DEVICES, the engine asks for that many virtual CPU devices before
     # the framework starts. Loading also registers the package's Keras classes
     # (`LinearScaling`) for `keras.saving.load_model`.
-    if _load():
+    if _load() and (_LAUNCHED or _CPUS):
         from keras_multigpu import backends as _backends
 
-        if "LOCAL_RANK" in _os.environ or "TF_CONFIG" in _os.environ:
-            _backends.current()
-        if _cpu_device_count() and _backends.has(_backends.current(), "cpu_devices"):
-            _backends.current().configure_cpu_devices(_cpu_device_count())
+        _backend = _backends.current()
+        if _CPUS and _backends.has(_backend, "cpu_devices"):
+            _backend.configure_cpu_devices(_CPUS)

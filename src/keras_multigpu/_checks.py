@@ -89,7 +89,7 @@ def _input_mismatch(template, data_batch, error):
     if found is None or not any(found[2]):
         return None
     rows, takes, _ = found
-    said = re.sub(r"\x1b\[[0-9;]*m", "", said).strip()
+    said = _plain(said)
     return ValueError(
         f"x does not fit {type(template).__name__} {template.name!r}: each row of x has "
         f"the shape {_one(rows)}, and the model's input takes rows of the shape "
@@ -103,7 +103,7 @@ def _target_mismatch(template, data_batch, error):
     batch's targets do not have the rows of the model's outputs, naming both, else None.
     Targets of one column, or of fewer axes (class indices for a sparse loss), are left to
     Keras."""
-    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error)).strip()
+    text = _plain(str(error))
     outputs = tree.flatten(getattr(template, "outputs", None) or [])
     if not (isinstance(error, (ValueError, TypeError, RuntimeError)) and re.search(
             r"shape|size|[Dd]imension", text) and isinstance(data_batch, (tuple, list))
@@ -132,6 +132,11 @@ def _build_error(template, data_batch, error):
         if clearer is not None:
             return clearer
     return _target_mismatch(template, data_batch, error)
+
+
+def _plain(text):
+    """`text` without the ANSI codes Keras's errors set words in bold with."""
+    return re.sub(r"\x1b\[[0-9;]*m", "", text).strip()
 
 
 def _one(shapes):
