@@ -17,6 +17,10 @@ import os
 import shutil
 import tempfile
 
+# XLA_FLAGS as the suite started (scripts/test.sh's speed flags for its JAX runs), before the
+# library adds this process's device count and collective timeouts: `child_env` passes these on.
+SUITE_XLA_FLAGS = os.environ.get("XLA_FLAGS", "")
+
 os.environ.setdefault("KERAS_BACKEND", "jax")
 if os.environ["KERAS_BACKEND"] != "torch":
     os.environ.setdefault("KERAS_MULTIGPU_CPU_DEVICES", "8")
@@ -59,6 +63,17 @@ def synthetic_cifar(root, rows=16):
 
 
 @functools.cache
+def child_env(drop=(), **extra):
+    """os.environ for a child process that sets its own devices up: `drop`'s variables left
+    out, and XLA_FLAGS as the suite started, without this process's device count and
+    timeouts (the child adds its own), so that the suite's speed flags reach it too."""
+    env = {k: v for k, v in os.environ.items() if k not in drop and k != "XLA_FLAGS"}
+    if SUITE_XLA_FLAGS:
+        env["XLA_FLAGS"] = SUITE_XLA_FLAGS
+    env.update(extra)
+    return env
+
+
 def cifar_dir():
     """A synthetic CIFAR-10 folder (`synthetic_cifar`, 40 images per batch file) made once per
     process and removed at exit: the tests of `train` and `compare` need the format, not the

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import keras_multigpu as kmg
-from conftest import engine_gpus
+from conftest import child_env, engine_gpus
 from keras_multigpu.callbacks import Checkpoint, CheckpointError
 
 pytestmark = pytest.mark.slow  # several processes or whole runs: not in the fast loop
@@ -82,11 +82,8 @@ ENGINES = {
 
 
 def _env(backend, extra):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("XLA_FLAGS", "KERAS_MULTIGPU_CPU_DEVICES", "RANK", "WORLD_SIZE",
-                        "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(extra, KERAS_BACKEND=backend)
-    return env
+    return child_env(("KERAS_MULTIGPU_CPU_DEVICES", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                      "MASTER_ADDR", "MASTER_PORT"), **extra, KERAS_BACKEND=backend)
 
 
 def _run(tmp_path, backend, folder, out, fault=""):
@@ -338,8 +335,7 @@ parallel.fit(x, y, batch_size=8, epochs=3, verbose=0,
 
 
 def test_a_kill_while_pruning_leaves_no_damaged_checkpoint(tmp_path):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("XLA_FLAGS", "KERAS_MULTIGPU_CPU_DEVICES")}
+    env = child_env(("KERAS_MULTIGPU_CPU_DEVICES",))
     result = subprocess.run([sys.executable, "-c", PRUNED, str(tmp_path)], env=env,
                             capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 9, result.stderr[-3000:]

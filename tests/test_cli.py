@@ -13,7 +13,7 @@ import keras
 import numpy as np
 import pytest
 
-from conftest import cifar_dir, synthetic_cifar
+from conftest import child_env, cifar_dir, synthetic_cifar
 from keras_multigpu import callbacks as callbacks_lib
 from keras_multigpu import cli, experiment, interrupt
 from keras_multigpu.data import load_cifar10
@@ -289,8 +289,7 @@ def test_a_real_ctrl_c_on_a_piped_run(tmp_path):
     """The installed command, stdout piped: one line per epoch, and a SIGINT ends it with
     status 130, one message and no traceback, keeping the epochs done."""
     out = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(KERAS_BACKEND="jax", KERAS_MULTIGPU_CPU_DEVICES="2")
+    env = child_env(KERAS_BACKEND="jax", KERAS_MULTIGPU_CPU_DEVICES="2")
     process = subprocess.Popen(
         [sys.executable, "-m", "keras_multigpu.cli", "train", "--gpus", "2", "--output",
          str(out), "--data-dir", cifar_dir(), "--epochs", "1000", *TINY],

@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+from conftest import child_env
+
 pytestmark = pytest.mark.slow  # several processes or whole runs: not in the fast loop
 
 TRAIN = textwrap.dedent(
@@ -64,7 +66,7 @@ def _sigint_default():
 
 
 def _start(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
+    env = child_env()
     return subprocess.Popen(
         [sys.executable, "-c", TRAIN, str(tmp_path)], stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, env=env, preexec_fn=_sigint_default,

@@ -18,6 +18,8 @@ import textwrap
 import numpy as np
 import pytest
 
+from conftest import child_env
+
 pytestmark = pytest.mark.slow  # several processes or whole runs: not in the fast loop
 
 LAUNCH = [sys.executable, "-m", "keras_multigpu.cli", "launch"]
@@ -26,11 +28,8 @@ pytest.importorskip("torch")
 
 
 def _env(**extra):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("XLA_FLAGS", "KERAS_MULTIGPU_CPU_DEVICES", "RANK", "WORLD_SIZE",
-                        "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(extra)
-    return env
+    return child_env(("KERAS_MULTIGPU_CPU_DEVICES", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                      "MASTER_ADDR", "MASTER_PORT"), **extra)
 
 
 def _script(tmp_path, name, body):

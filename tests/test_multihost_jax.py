@@ -22,6 +22,8 @@ import threading
 import numpy as np
 import pytest
 
+from conftest import child_env
+
 pytestmark = pytest.mark.slow  # several processes or whole runs: not in the fast loop
 
 SCRIPT = pathlib.Path(__file__).with_name("multihost_script.py")
@@ -38,10 +40,8 @@ def _free_port():
 
 
 def _env(**extra):
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES}
-    env.update(KERAS_BACKEND="jax", PYTHONUNBUFFERED="1")
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
+    return child_env(_LAUNCH_VARIABLES, KERAS_BACKEND="jax", PYTHONUNBUFFERED="1",
+                     **{k: str(v) for k, v in extra.items()})
 
 
 def _host(rank, world, port, devices, timeout=60):
