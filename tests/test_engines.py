@@ -1495,6 +1495,7 @@ def test_a_compute_loss_of_the_models_own_trains_and_logs_as_one_device(gpus, ki
         history = target.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False,
                              verbose=0).history
         history["predict"] = target.predict(x, batch_size=batch_size, verbose=0)
+        history["evaluate"] = [target.evaluate(x, y, batch_size=batch_size, verbose=0)]
         runs.append((model, target, history))
     _assert_same(*runs)
 

@@ -10,6 +10,7 @@ parameters (in place), so that the step reads one device's; `apply` then takes t
 they are. Gradients of tensors that are not parameters (a gradient penalty's, per row)
 stay the process's own."""
 
+import keras
 import torch
 
 from keras_multigpu import rules, rules_metrics
@@ -49,12 +50,35 @@ def backward(replica, original, tensors, *args, **kwargs):
     return result
 
 
+def compute_loss(replica, original, model, *args, **kwargs):
+    """Keras's `_compute_loss`, through which its own steps call a model's `compute_loss`.
+    Under `no_grad` (Keras's `test_step`: `evaluate`, validation), a `compute_loss` of the
+    model's own runs on a prediction that records a graph (a leaf that requires grad), so
+    that the loss tracker tells a sum over the rows from a mean (`mean_update`) as in
+    training: before, `evaluate` took each process's sum for a mean (a loss of 2.4 apart
+    from one device's). The graph starts at that leaf and goes with the loss."""
+    if torch.is_grad_enabled() or type(model).compute_loss is keras.Model.compute_loss:
+        return original(model, *args, **kwargs)
+    if "y_pred" in kwargs:
+        kwargs["y_pred"] = _recording(kwargs["y_pred"])
+    elif len(args) > 2:
+        args = (*args[:2], _recording(args[2]), *args[3:])
+    with torch.enable_grad():
+        return original(model, *args, **kwargs)
+
+
+def _recording(y_pred):
+    return keras.tree.map_structure(
+        lambda t: t.detach().requires_grad_()
+        if isinstance(t, torch.Tensor) and t.is_floating_point() else t, y_pred)
+
+
 def mean_update(replica, original, metric, values, sample_weight=None):
     """`rules.mean_update` (a loss tracker's update), with a sum over this process's rows
     (Keras's own step's loss from a `compute_loss` that sums: keras-io's BERT masked
     language model) taken as its part of the batch's sum times n / k: the weighing by
     k / n (a weight of None), or by the rows (Keras's step's weight), then adds each once
-    across processes. Under `no_grad` (`evaluate`) the sum leaves no graph to tell it by."""
+    across processes. Under `no_grad` (`evaluate`), `compute_loss` leaves the graph."""
     if (isinstance(values, torch.Tensor) and values.dim() == 0
             and not rules_metrics.updating(metric) and _sums_rows(replica, values)):
         values = values * rules.share(replica, values.dtype)

@@ -39,7 +39,12 @@ import torch.distributed as dist
 from keras import tree
 
 from keras_multigpu import interrupt, launch, rules
-from keras_multigpu._keras.torch import DRAWS, cycle_free_tree, keras_alone_in_each_process
+from keras_multigpu._keras.torch import (
+    COMPUTE_LOSS,
+    DRAWS,
+    cycle_free_tree,
+    keras_alone_in_each_process,
+)
 from keras_multigpu._keras.torch import image as torch_image
 from keras_multigpu._keras.torch import numpy as torch_numpy
 from keras_multigpu._keras.torch import random as torch_random
@@ -353,6 +358,7 @@ def _rules_table():
         (torch.nn.functional, "dropout", _torch_native.dropout, _step),
         (torch.nn.functional, "batch_norm", _torch_native.batch_norm, _step),
         (keras.Model, "train_step", _torch_grads.keras_step, _step),  # Keras's torch step
+        (keras.Model, COMPUTE_LOSS, _torch_grads.compute_loss, _step),
         (torch.autograd, "backward", _torch_grads.backward, _step),
         (keras.optimizers.Optimizer, "apply", _apply, _step),
         # Its own `apply` checks the gradients are finite before the inner optimizer's:
