@@ -14,6 +14,7 @@ import keras
 import torch
 
 from keras_multigpu import rules, rules_metrics
+from keras_multigpu._keras.torch import COMPUTE_LOSS  # noqa: F401 (the engine's table's)
 from keras_multigpu.rules_gather import rows_of, voted
 
 

@@ -21,9 +21,8 @@ draws and dropout, and the logs (every metric's result from one all-reduce, whic
 carries the ranks' Ctrl-C flags to the next step boundary).
 - `predict` all-gathers the rows: every rank returns every row, in order.
 
-The process rules (rank 0 alone writes Keras files, every rank takes rank 0's
-random state and stops at the same step after a Ctrl-C) are
-`keras_multigpu.processes`', over the process group's key-value store.
+The process rules (rank 0 alone writes Keras files, every rank takes rank 0's random state
+and stops at the same step after a Ctrl-C) are `keras_multigpu.processes`', over its store.
 """
 
 import contextlib
@@ -39,12 +38,7 @@ import torch.distributed as dist
 from keras import tree
 
 from keras_multigpu import interrupt, launch, rules
-from keras_multigpu._keras.torch import (
-    COMPUTE_LOSS,
-    DRAWS,
-    cycle_free_tree,
-    keras_alone_in_each_process,
-)
+from keras_multigpu._keras.torch import DRAWS, cycle_free_tree, keras_alone_in_each_process
 from keras_multigpu._keras.torch import image as torch_image
 from keras_multigpu._keras.torch import numpy as torch_numpy
 from keras_multigpu._keras.torch import random as torch_random
@@ -358,7 +352,7 @@ def _rules_table():
         (torch.nn.functional, "dropout", _torch_native.dropout, _step),
         (torch.nn.functional, "batch_norm", _torch_native.batch_norm, _step),
         (keras.Model, "train_step", _torch_grads.keras_step, _step),  # Keras's torch step
-        (keras.Model, COMPUTE_LOSS, _torch_grads.compute_loss, _step),
+        (keras.Model, _torch_grads.COMPUTE_LOSS, _torch_grads.compute_loss, _step),
         (torch.autograd, "backward", _torch_grads.backward, _step),
         (keras.optimizers.Optimizer, "apply", _apply, _step),
         # Its own `apply` checks the gradients are finite before the inner optimizer's:
