@@ -88,8 +88,8 @@ run() {  # a log name, a backend, then pytest's arguments: runs them, then print
 # For the JAX runs: XLA:CPU's LLVM code generation at a lower level (the HLO passes, fusion
 # and the collectives' schedule, are unchanged): most of a JAX test's time is compiling small
 # steps, and these cut test_parallel's CPU time by 23 % (130 to 100 s). Every comparison in
-# the suite runs both sides under the same flags; subprocesses that a test starts without
-# XLA_FLAGS compile at the default level.
+# the suite runs both sides under the same flags; the training processes a test starts get
+# them too (tests/conftest.py's child_env), but for the few that test XLA_FLAGS themselves.
 jax_flags="--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 stream1() {
   local status=0

@@ -62,18 +62,19 @@ def synthetic_cifar(root, rows=16):
     return folder
 
 
-@functools.cache
 def child_env(drop=(), **extra):
     """os.environ for a child process that sets its own devices up: `drop`'s variables left
     out, and XLA_FLAGS as the suite started, without this process's device count and
-    timeouts (the child adds its own), so that the suite's speed flags reach it too."""
+    timeouts (the child adds its own), so that the suite's speed flags reach it too (unless
+    `drop` names XLA_FLAGS)."""
     env = {k: v for k, v in os.environ.items() if k not in drop and k != "XLA_FLAGS"}
-    if SUITE_XLA_FLAGS:
+    if SUITE_XLA_FLAGS and "XLA_FLAGS" not in drop:
         env["XLA_FLAGS"] = SUITE_XLA_FLAGS
     env.update(extra)
     return env
 
 
+@functools.cache
 def cifar_dir():
     """A synthetic CIFAR-10 folder (`synthetic_cifar`, 40 images per batch file) made once per
     process and removed at exit: the tests of `train` and `compare` need the format, not the

@@ -82,8 +82,9 @@ ENGINES = {
 
 
 def _env(backend, extra):
-    return child_env(("KERAS_MULTIGPU_CPU_DEVICES", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-                      "MASTER_ADDR", "MASTER_PORT"), **extra, KERAS_BACKEND=backend)
+    drop = ("KERAS_MULTIGPU_CPU_DEVICES", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+            "MASTER_PORT", *(() if backend == "jax" else ("XLA_FLAGS",)))  # JAX's flags
+    return child_env(drop, **extra, KERAS_BACKEND=backend)
 
 
 def _run(tmp_path, backend, folder, out, fault=""):

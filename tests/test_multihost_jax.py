@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow  # several processes or whole runs: not in the fas
 SCRIPT = pathlib.Path(__file__).with_name("multihost_script.py")
 TIMEOUT_SECONDS = 240
 
-_LAUNCH_VARIABLES = ("XLA_FLAGS", "KERAS_MULTIGPU_CPU_DEVICES", "KERAS_MULTIGPU_TIMEOUT", "RANK",
+_LAUNCH_VARIABLES = ("KERAS_MULTIGPU_CPU_DEVICES", "KERAS_MULTIGPU_TIMEOUT", "RANK",
                      "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
