@@ -1493,9 +1493,40 @@ def test_a_compute_loss_of_the_models_own_trains_and_logs_as_one_device(gpus, ki
         target.compile(optimizer=keras.optimizers.SGD(0.01),
                        loss="mse" if kind == "regularized" else None)
         history = target.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False,
-                             verbose=0).history
+                             validation_data=(x[:7], y[:7]), verbose=0).history
         history["predict"] = target.predict(x, batch_size=batch_size, verbose=0)
         history["evaluate"] = [target.evaluate(x, y, batch_size=batch_size, verbose=0)]
+        runs.append((model, target, history))
+    _assert_same(*runs)
+
+
+class MaskedOwnLoss(keras.Model):
+    """A `compute_loss` of the model's own that hands Keras's its arguments (a weighting
+    step, say): the compiled loss reads the mask Keras keeps on the prediction."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, **kwargs):
+        return 2.0 * super().compute_loss(x, y, y_pred, sample_weight, **kwargs)
+
+
+@pytest.mark.parametrize("gpus", [3])
+def test_a_compute_loss_of_the_models_own_keeps_the_predictions_mask(gpus):
+    """Its `evaluate` and validation losses are one device's: the mask of padded time steps
+    (`Masking`) reaches the compiled loss through the override, as in training."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(11, 5, 2)).astype("float32")
+    x[rng.random((11, 5)) < 0.4] = 0.0  # masked time steps
+    y = rng.normal(size=(11, 5, 1)).astype("float32")
+    runs = []
+    for count in (None, gpus):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((5, 2))
+        outputs = keras.layers.Dense(1)(keras.layers.Masking(0.0)(inputs))
+        model = MaskedOwnLoss(inputs, outputs)
+        target = model if count is None else kmg.multi_gpu_model(model, gpus=count)
+        target.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        history = target.fit(x, y, batch_size=4, epochs=2, shuffle=False,
+                             validation_data=(x[:7], y[:7]), verbose=0).history
+        history["evaluate"] = [target.evaluate(x, y, batch_size=4, verbose=0)]
         runs.append((model, target, history))
     _assert_same(*runs)
 

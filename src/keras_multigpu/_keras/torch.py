@@ -1,7 +1,8 @@
 """Keras's torch internals the torch engine uses (see `keras_multigpu._keras`).
 
 Patched for a call: `random.{normal, uniform, truncated_normal, randint, dropout}`,
-`numpy.{max, min}`, `image.affine_transform`, `Trainer._compute_loss` (`COMPUTE_LOSS`); where
+`numpy.{max, min}`, `image.affine_transform`, `_compute_loss` on keras.Model (`COMPUTE_LOSS`,
+Trainer's); where
 Keras's torch trainer wraps a model in DDP itself (the next Keras), `KERAS_DDP`; and, where
 Keras's torch tree keeps what it flattens in reference cycles (Keras 3.15), torch's
 `torch.utils._pytree.tree_flatten`, which that tree calls (`cycle_free_tree`).
@@ -24,13 +25,13 @@ TABLE = {
                                        "_get_concrete_noise_shape"),
     "keras.src.backend.torch.numpy": ("max", "min"),
     "keras.src.backend.torch.image": ("affine_transform",),
+    # Keras's own steps call a model's `compute_loss` through it, patched on keras.Model for
+    # a call (`_torch_grads.compute_loss`).
     "keras.src.trainers.trainer": ("Trainer._compute_loss",),
 }
+COMPUTE_LOSS = TABLE["keras.src.trainers.trainer"][0].split(".")[1]
 
 random, numpy, image, _ = load(TABLE, "the torch engine")
-
-# Keras's own steps call a model's `compute_loss` through it (`_torch_grads.compute_loss`).
-COMPUTE_LOSS = "_compute_loss"
 
 # The next Keras's torch trainer wraps the model in DistributedDataParallel as it makes its
 # step functions, wherever torch.distributed is initialized (Keras 3.15 has no such method;

@@ -8,14 +8,20 @@ pass and `apply`: a clip by a global norm it computes, SAM's perturbation. There
 backward pass ends with the weighted all-reduce of the gradients it accumulated into
 parameters (in place), so that the step reads one device's; `apply` then takes them as
 they are. Gradients of tensors that are not parameters (a gradient penalty's, per row)
-stay the process's own."""
+stay the process's own. A sum over the rows is found by the graph, in `evaluate` too
+(`compute_loss`)."""
 
 import keras
 import torch
 
 from keras_multigpu import rules, rules_metrics
-from keras_multigpu._keras.torch import COMPUTE_LOSS  # noqa: F401 (the engine's table's)
+from keras_multigpu._keras.torch import COMPUTE_LOSS
 from keras_multigpu.rules_gather import rows_of, voted
+
+
+def on_keras_steps():
+    """This module's rules on Keras's own torch steps, for the engine's table."""
+    return [(keras.Model, "train_step", keras_step), (keras.Model, COMPUTE_LOSS, compute_loss)]
 
 
 def keras_step(replica, original, model, data):
@@ -54,24 +60,31 @@ def backward(replica, original, tensors, *args, **kwargs):
 def compute_loss(replica, original, model, *args, **kwargs):
     """Keras's `_compute_loss`, through which its own steps call a model's `compute_loss`.
     Under `no_grad` (Keras's `test_step`: `evaluate`, validation), a `compute_loss` of the
-    model's own runs on a prediction that records a graph (a leaf that requires grad), so
-    that the loss tracker tells a sum over the rows from a mean (`mean_update`) as in
-    training: before, `evaluate` took each process's sum for a mean (a loss of 2.4 apart
-    from one device's). The graph starts at that leaf and goes with the loss."""
+    model's own runs on a copy of the prediction that records a graph (from a leaf that
+    requires grad), so that the loss tracker tells a sum over the rows from a mean
+    (`mean_update`) as in training: before, `evaluate` took each process's sum for a mean (a
+    loss of 2.4 apart from one device's). The copy keeps Keras's mask and may be changed in
+    place; its graph goes with the loss. It costs one copy of the prediction and, where that
+    `compute_loss` calls the model again, the graph of that call."""
     if torch.is_grad_enabled() or type(model).compute_loss is keras.Model.compute_loss:
         return original(model, *args, **kwargs)
-    if "y_pred" in kwargs:
-        kwargs["y_pred"] = _recording(kwargs["y_pred"])
-    elif len(args) > 2:
-        args = (*args[:2], _recording(args[2]), *args[3:])
     with torch.enable_grad():
+        if "y_pred" in kwargs:
+            kwargs["y_pred"] = _recording(kwargs["y_pred"])
+        elif len(args) > 2:
+            args = (*args[:2], _recording(args[2]), *args[3:])
         return original(model, *args, **kwargs)
 
 
 def _recording(y_pred):
-    return keras.tree.map_structure(
-        lambda t: t.detach().requires_grad_()
-        if isinstance(t, torch.Tensor) and t.is_floating_point() else t, y_pred)
+    def copy(tensor):
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+            return tensor
+        recorded = tensor.detach().requires_grad_().clone()
+        recorded.__dict__.update(tensor.__dict__)  # Keras's `_keras_mask`, if any
+        return recorded
+
+    return keras.tree.map_structure(copy, y_pred)
 
 
 def mean_update(replica, original, metric, values, sample_weight=None):

@@ -18,11 +18,10 @@ hands `apply` other gradients than the backward pass left, at `apply`. The rules
 holds the rest: loss reductions, `Mean` updates, BatchNorm moments (one all-reduce
 forward, one backward, whose gradients flow back through every rank's rows), batch-shaped
 draws and dropout, and the logs (every metric's result from one all-reduce, which also
-carries the ranks' Ctrl-C flags to the next step boundary).
-- `predict` all-gathers the rows: every rank returns every row, in order.
-
-The process rules (rank 0 alone writes Keras files, every rank takes rank 0's random state
-and stops at the same step after a Ctrl-C) are `keras_multigpu.processes`', over its store.
+carries the ranks' Ctrl-C flags to the next step boundary). `predict` all-gathers the rows:
+every rank returns every row, in order. The process rules (rank 0 alone writes Keras files,
+every rank takes rank 0's random state and stops at the same step after a Ctrl-C):
+`keras_multigpu.processes`, over the group's store.
 """
 
 import contextlib
@@ -351,8 +350,7 @@ def _rules_table():
         (torch_image, "affine_transform", _torch_rows.no_images, _step),
         (torch.nn.functional, "dropout", _torch_native.dropout, _step),
         (torch.nn.functional, "batch_norm", _torch_native.batch_norm, _step),
-        (keras.Model, "train_step", _torch_grads.keras_step, _step),  # Keras's torch step
-        (keras.Model, _torch_grads.COMPUTE_LOSS, _torch_grads.compute_loss, _step),
+        *((owner, name, rule, _step) for owner, name, rule in _torch_grads.on_keras_steps()),
         (torch.autograd, "backward", _torch_grads.backward, _step),
         (keras.optimizers.Optimizer, "apply", _apply, _step),
         # Its own `apply` checks the gradients are finite before the inner optimizer's:
