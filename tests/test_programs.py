@@ -339,7 +339,7 @@ ENGINE = {
     "p10_mnist_convnet": "tensorflow", "p12_weather_lstm_grad_accum": "tensorflow",
     "p13_custom_dropout_training_arg": "tensorflow", "p19_ctc_ocr_add_loss": "tensorflow",
     "p03_functional_ticket": "jax", "p06_timeseries_bn_callbacks": "jax",
-    "p08_imbalanced_class_weight": "jax", "p14_minigooglenet_post": "jax",
+    "p08_imbalanced_class_weight": "jax", "p14_minigooglenet_post": "tensorflow",
     "p21_imbalanced_auc_metrics": "jax", "p22_lr_schedule_early_stopping": "jax",
     "p05_bilstm_masking": "torch", "p09_transformer_text": "torch",
     "p17_distiller_own_compile": "torch", "p18_census_grn_vsn_dict_inputs": "torch",
@@ -422,6 +422,9 @@ CONTROL_ENGINE = {"p06_timeseries_bn_callbacks": "torch", "p14_minigooglenet_pos
 
 
 def _controls():
+    for name, engine in CONTROL_ENGINE.items():  # each one a control, on an engine it amplifies
+        reason = getattr(_load(name), "AMPLIFIED", None) if name in WITH_CONTROL else None
+        assert reason and (not isinstance(reason, dict) or engine in reason), (name, engine)
     pairs = _with_counts(WITH_CONTROL, rotate=False)
     if FULL:
         return pairs
