@@ -339,7 +339,7 @@ ENGINE = {
     "p10_mnist_convnet": "tensorflow", "p12_weather_lstm_grad_accum": "tensorflow",
     "p13_custom_dropout_training_arg": "tensorflow", "p19_ctc_ocr_add_loss": "tensorflow",
     "p03_functional_ticket": "jax", "p06_timeseries_bn_callbacks": "jax",
-    "p08_imbalanced_class_weight": "jax", "p14_minigooglenet_post": "tensorflow",
+    "p08_imbalanced_class_weight": "jax", "p14_minigooglenet_post": "jax",
     "p21_imbalanced_auc_metrics": "jax", "p22_lr_schedule_early_stopping": "jax",
     "p05_bilstm_masking": "torch", "p09_transformer_text": "torch",
     "p17_distiller_own_compile": "torch", "p18_census_grn_vsn_dict_inputs": "torch",

@@ -19,17 +19,17 @@ from torch.utils import _pytree
 from keras_multigpu._keras import load
 
 DRAWS = ("normal", "uniform", "truncated_normal", "randint", "gamma", "binomial", "beta")
+# Keras's own steps call a model's `compute_loss` through it: patched on keras.Model for a call
+# (`_torch_grads.compute_loss`).
+COMPUTE_LOSS = "_compute_loss"
 
 TABLE = {
     "keras.src.backend.torch.random": (*DRAWS, "dropout", "categorical",
                                        "_get_concrete_noise_shape"),
     "keras.src.backend.torch.numpy": ("max", "min"),
     "keras.src.backend.torch.image": ("affine_transform",),
-    # Keras's own steps call a model's `compute_loss` through it, patched on keras.Model for
-    # a call (`_torch_grads.compute_loss`).
-    "keras.src.trainers.trainer": ("Trainer._compute_loss",),
+    "keras.src.trainers.trainer": (f"Trainer.{COMPUTE_LOSS}",),
 }
-COMPUTE_LOSS = TABLE["keras.src.trainers.trainer"][0].split(".")[1]
 
 random, numpy, image, _ = load(TABLE, "the torch engine")
 
