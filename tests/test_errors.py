@@ -129,6 +129,43 @@ def test_a_stateful_rnn_is_refused_where_each_device_sees_its_share():
         kmg.multi_gpu_model(stateful_model(), gpus=engine_gpus(2))
 
 
+class _FixedBatchNoise(keras.layers.Layer):
+    """Noise for a batch of `rows` rows, a constant: keras-io's DDIM draws its noise as
+    `keras.random.normal((batch_size, ...))` in its `train_step`."""
+
+    def __init__(self, rows, **kwargs):
+        super().__init__(**kwargs)
+        self.rows = rows
+        self.seed = keras.random.SeedGenerator(1)
+
+    def call(self, x, training=False):
+        if not training:
+            return x
+        return x + 0.01 * keras.random.normal((self.rows, x.shape[-1]), seed=self.seed)
+
+
+def test_a_shape_fixed_to_the_global_batch_is_explained_where_each_device_sees_its_share():
+    """On one device the noise's 12 rows meet the batch's 12. A TensorFlow replica or torch
+    process sees its share of the batch, and failed on the shapes alone (TensorFlow's
+    "Incompatible shapes: [6,3] vs. [12,3]"); the error now says why and what to do. JAX's
+    devices run one step on the whole batch, where the model trains."""
+    from keras_multigpu import backends
+
+    inputs = keras.Input((6,))
+    outputs = keras.layers.Dense(3)(_FixedBatchNoise(12)(inputs))
+    parallel = kmg.multi_gpu_model(keras.Model(inputs, outputs), gpus=engine_gpus(2))
+    parallel.compile(optimizer="sgd", loss="mse")
+    x, y = _data(24)
+    if backends.has(backends.current(), "whole_batch"):
+        parallel.fit(x, y, batch_size=12, epochs=1, verbose=0)
+        return
+    with pytest.raises(Exception) as info:
+        parallel.fit(x, y, batch_size=12, epochs=1, verbose=0)
+    notes = getattr(info.value, "__notes__", [])
+    assert any("2 replicas ran this step on its share of the global batch" in note
+               and "keras.ops.shape(x)[0]" in note for note in notes), (info.value, notes)
+
+
 # -- fit: refused before any training ---------------------------------------------
 
 

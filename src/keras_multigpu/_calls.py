@@ -4,6 +4,7 @@ padded batches by `batching` inside the engine's scope (`Calls`, a mixin as Kera
 
 import contextlib
 import gc
+import re
 
 import keras
 import numpy as np
@@ -125,7 +126,7 @@ class Calls:
             interrupt.end_training(callbacks)
             raise
         except Exception as error:
-            _raise_failed(error, dataset, validation_dataset)
+            _raise_failed(self, error, dataset, validation_dataset)
             raise
         finally:
             self._fit_dataset = None
@@ -145,7 +146,7 @@ class Calls:
                     callbacks=interrupt.with_stop(callbacks), return_dict=return_dict, **kwargs,
                 )
         except Exception as error:
-            _raise_failed(error, dataset)
+            _raise_failed(self, error, dataset)
             raise
         finally:
             if not kwargs.get("_use_cached_eval_dataset"):  # fit's own: fit closes it
@@ -160,7 +161,7 @@ class Calls:
                 return super().predict(data, verbose=verbose, steps=steps,
                                        callbacks=interrupt.with_stop(callbacks))
         except Exception as error:
-            _raise_failed(error, dataset)
+            _raise_failed(self, error, dataset)
             raise
         finally:
             _close(dataset)
@@ -290,12 +291,27 @@ def _readers(callbacks):
     ]
 
 
-def _raise_failed(error, *datasets):
+def _raise_failed(model, error, *datasets):
     """A batch a feed could not serve on tf.data's threads (x and y of different rows):
-    TensorFlow raised its own graph error for it; the feed's error is raised instead."""
+    TensorFlow raised its own graph error for it; the feed's error is raised instead. A
+    shape error from a step that ran on one replica's share says so (`_SHARE_NOTE`)."""
     failed = next((d.failed for d in datasets if getattr(d, "failed", None)), None)
     if failed is not None and failed is not error:
         raise failed from error
+    if (model.num_replicas > 1 and not backends.has(model._backend, "whole_batch")
+            and _SHAPE_ERROR.search(str(error)) and hasattr(error, "add_note")):
+        error.add_note(_SHARE_NOTE.format(model.num_replicas))
+
+
+# TensorFlow's and torch's words for tensors whose shapes do not fit together.
+_SHAPE_ERROR = re.compile(
+    r"Incompatible shapes|Dimensions must be equal|must match the size of tensor"
+    r"|Sizes of tensors must match|shapes cannot be multiplied")
+_SHARE_NOTE = (
+    "keras-multigpu: each of the {} replicas ran this step on its share of the global batch. "
+    "A shape fixed to the global batch size, such as `keras.random.normal((batch_size, ...))` "
+    "in a `train_step` with `batch_size` a constant, does not fit a share: take the rows from "
+    "the data, `keras.ops.shape(x)[0]`, or train with gpus=1.")
 
 
 def _close(*datasets):
