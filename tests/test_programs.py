@@ -348,16 +348,19 @@ ENGINE = {
     # p25's RandomZoom cannot be compiled: Keras runs its steps op by op, which on JAX took
     # 144 s (2 devices), on TensorFlow 36 s and on torch 9 s (2026-11-29).
     "p25_vision_transformer": "torch",
+    # p26, written for TensorFlow and torch, took 36 s on TensorFlow and 12 s on torch.
+    "p26_ddim_ema": "torch",
 }
 
 
 def _with_counts(names, rotate=True):
     """(program, device count) pairs for this engine, or every pair under FULL.
 
-    Each program written for every engine runs on one of them (`rotate`, `ENGINE`), on 2 or
-    3 devices by its index's parity, so that every engine meets both counts and about a third
-    of the programs. A program written for fewer engines, or not rotated, runs on each of its
-    own at one count, 2 on one engine and 3 on the next (elsewhere it is skipped). On torch,
+    Each program written for every engine, or listed in `ENGINE`, runs on one of them
+    (`rotate`, `ENGINE`), on 2 or 3 devices by its index's parity, so that every engine meets
+    both counts and about a third of the programs. Another program written for fewer
+    engines, or one not rotated, runs on each of its own at one count, 2 on one engine and 3
+    on the next (elsewhere it is skipped). On torch,
     conftest forks `gpus` processes for each."""
     engine = ENGINES.index(keras.backend.backend())
     pairs = []
@@ -367,7 +370,7 @@ def _with_counts(names, rotate=True):
             continue
         i = PROGRAMS.index(name)
         own = getattr(_load(name), "BACKENDS", ENGINES)
-        if rotate and len(own) == len(ENGINES):
+        if rotate and (len(own) == len(ENGINES) or name in ENGINE):
             if ENGINE.get(name, ENGINES[i % len(ENGINES)]) == ENGINES[engine]:
                 pairs.append((name, 2 + i % 2))
         else:
