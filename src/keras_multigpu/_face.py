@@ -2,6 +2,7 @@
 methods act on the template, so every file written is a plain Keras file of the user's
 model, written atomically, by one process only."""
 
+import contextlib
 import os
 import zipfile
 
@@ -14,6 +15,33 @@ from keras_multigpu._keras import io_utils
 
 class TemplateFace:
     """The template's weights, files, summary and structure, as the `ParallelModel`'s."""
+
+    def __getattr__(self, name):
+        # Only reached when normal lookup fails: the template's own public
+        # attributes (output_names, an encoder, ...) read through the wrapper.
+        with contextlib.suppress(AttributeError):
+            # The torch backend keeps sub-modules (the template among them) in
+            # torch.nn.Module's own tables, which its __getattr__ reads.
+            return super().__getattr__(name)
+        template = _template(self)
+        if template is None or name.startswith("_"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(template, name)
+
+    def __setattr__(self, name, value):
+        """An attribute the template's own class set, written through the wrapper (a
+        callback's `self.model.beta = 0.5`, which the template's `train_step` reads), is
+        written to the template, where its steps read it, and read back from there. Keras's
+        own attributes, and layers, variables, metrics and optimizers, stay where they are."""
+        template = _template(self)
+        if (template is not None and not name.startswith("_")
+                and name not in self.__dict__.get("_keras_names", ())
+                and name in vars(template)
+                and not isinstance(value, _TRACKED)
+                and not isinstance(vars(template)[name], _TRACKED)):
+            setattr(template, name, value)
+            return
+        super().__setattr__(name, value)
 
     def save(self, filepath, overwrite=True, **kwargs):
         """Saves the template as a plain `.keras` file, atomically (by one process only)."""
@@ -126,3 +154,12 @@ class TemplateFace:
     @property
     def outputs(self):
         return self.template.outputs
+
+
+def _template(model):
+    """The wrapper's template, or None while it is made (the torch backend keeps it in
+    torch.nn.Module's table of sub-modules)."""
+    return model.__dict__.get("template") or model.__dict__.get("_modules", {}).get("template")
+
+
+_TRACKED = (keras.layers.Layer, keras.Variable, keras.metrics.Metric, keras.optimizers.Optimizer)

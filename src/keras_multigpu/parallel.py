@@ -132,6 +132,7 @@ class ParallelModel(Calls, TemplateFace, keras.Model):
         # Built in the engine's scope: TensorFlow's trainer takes its strategy from it.
         with backend.scope(distribution):
             super().__init__(name=template.name)
+        self._keras_names = frozenset(self.__dict__)  # Keras's own (see `TemplateFace`)
         self.template = template
         self._devices = tuple(devices)
         self._backend = backend
@@ -148,19 +149,6 @@ class ParallelModel(Calls, TemplateFace, keras.Model):
     devices = property(lambda self: list(self._devices))
     num_replicas = property(lambda self: getattr(self._distribution, "num_replicas",
                                                  len(self._devices)))
-
-    def __getattr__(self, name):
-        # Only reached when normal lookup fails: the template's own public
-        # attributes (output_names, an encoder, ...) read through the wrapper.
-        with contextlib.suppress(AttributeError):
-            # The torch backend keeps sub-modules (the template among them) in
-            # torch.nn.Module's own tables, which its __getattr__ reads.
-            return super().__getattr__(name)
-        template = self.__dict__.get("template") or self.__dict__.get("_modules", {}).get(
-            "template")
-        if template is None or name.startswith("_"):
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        return getattr(template, name)
 
     def build(self, *args, **kwargs):
         self.built = True  # the template builds itself when first called
