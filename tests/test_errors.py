@@ -616,6 +616,30 @@ def test_bad_fit_arguments_are_refused_before_training(parallel, no_training, kw
         parallel.fit(x, y, verbose=0, **kwargs)
 
 
+class _Counted(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.batches = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches += 1
+
+    on_test_batch_end = on_predict_batch_end = on_train_batch_end
+
+
+def test_one_callback_or_nested_lists_are_taken_as_keras_takes_them(parallel):
+    """Keras's CallbackList flattens what it is given: `callbacks=EarlyStopping(...)` alone,
+    or lists of lists, work on one device; fit refused them ("callbacks must be a list"),
+    and evaluate and predict failed on "object is not iterable"."""
+    x, y = _data(10)
+    one, first, second = _Counted(), _Counted(), _Counted()
+    parallel.fit(x, y, batch_size=5, epochs=1, verbose=0, callbacks=one)
+    parallel.fit(x, y, batch_size=5, epochs=1, verbose=0, callbacks=[[first], (second,)])
+    parallel.evaluate(x, y, batch_size=5, verbose=0, callbacks=one)
+    parallel.predict(x, batch_size=5, verbose=0, callbacks=one)
+    assert (one.batches, first.batches, second.batches) == (6, 2, 2)
+
+
 def test_a_missing_weights_file_is_named(parallel, tmp_path):
     missing = tmp_path / "nowhere.weights.h5"
     with pytest.raises(FileNotFoundError, match=rf"No such weights file: {missing}"):

@@ -16,6 +16,7 @@ from keras_multigpu._checks import (
     _check_targets,
     _split,
     _takes_text,
+    check_callbacks,
 )
 from keras_multigpu._replica_state import StateCheck
 
@@ -61,7 +62,8 @@ class Calls:
         (array inputs) instead of padding it.
         """
         self._sync_compile()
-        _check_fit_arguments(epochs, initial_epoch, validation_freq, callbacks, steps_per_epoch)
+        callbacks = _check_fit_arguments(epochs, initial_epoch, validation_freq, callbacks,
+                                         steps_per_epoch)
         if validation_split and validation_data is None:
             if not batching._is_array_like(x):
                 raise ValueError(
@@ -137,13 +139,15 @@ class Calls:
                  return_dict=False, **kwargs):
         self._sync_compile()
         _check_compiled(self, "evaluate")
+        callbacks = check_callbacks(callbacks)
         _check_targets(self.template, x, y, "evaluate", "test_step")
         data, dataset = self._padded(x, y, sample_weight, batch_size=batch_size)
         try:
             with interrupt.deferred(), self._placed():
                 return super().evaluate(
                     data, verbose=verbose, steps=steps,
-                    callbacks=interrupt.with_stop(callbacks), return_dict=return_dict, **kwargs,
+                    callbacks=interrupt.with_stop(callbacks), return_dict=return_dict,
+                    **kwargs,
                 )
         except Exception as error:
             _raise_failed(self, error, dataset)
@@ -155,6 +159,7 @@ class Calls:
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
         """Keras's `predict`: exactly one output row per input row, in order."""
         self._sync_compile()
+        callbacks = check_callbacks(callbacks)
         data, dataset = self._padded(x, batch_size=batch_size)
         try:
             with interrupt.deferred(), self._placed():

@@ -205,14 +205,22 @@ def _check_fit_arguments(epochs, initial_epoch, validation_freq, callbacks, step
             _check_int("each epoch in validation_freq", epoch, 1)
     else:
         _check_int("validation_freq", validation_freq, 1)
-    if callbacks is not None and not isinstance(callbacks, keras.callbacks.CallbackList):
-        listed = callbacks if isinstance(callbacks, (list, tuple)) else [callbacks]
-        bad = [c for c in listed if not isinstance(c, keras.callbacks.Callback)]
-        if bad or not isinstance(callbacks, (list, tuple)):
-            raise TypeError(
-                "callbacks must be a list of keras.callbacks.Callback instances. Received: "
-                f"callbacks={_describe(callbacks)}."
-            )
+    return check_callbacks(callbacks)
+
+
+def check_callbacks(callbacks):
+    """`callbacks` as Keras's `CallbackList` takes them (None, a `CallbackList`, one callback,
+    or lists of them, which it flattens), as None, that `CallbackList` or a list."""
+    if callbacks is None or isinstance(callbacks, keras.callbacks.CallbackList):
+        return callbacks
+    listed = keras.tree.flatten(callbacks) if isinstance(callbacks, (list, tuple)) \
+        else [callbacks]
+    if any(not isinstance(c, keras.callbacks.Callback) for c in listed):
+        raise TypeError(
+            "callbacks must be a list of keras.callbacks.Callback instances. Received: "
+            f"callbacks={_describe(callbacks)}."
+        )
+    return listed
 
 
 def _check_targets(template, x, y, method, step):
