@@ -314,9 +314,9 @@ _SHAPE_ERROR = re.compile(
     r"|Sizes of tensors must match|shapes cannot be multiplied")
 _SHARE_NOTE = (
     "keras-multigpu: each of the {} replicas ran this step on its share of the global batch. "
-    "A shape fixed to the global batch size, such as `keras.random.normal((batch_size, ...))` "
-    "in a `train_step` with `batch_size` a constant, does not fit a share: take the rows from "
-    "the data, `keras.ops.shape(x)[0]`, or train with gpus=1.")
+    "If a shape above is the global batch size where the share's rows were expected, the "
+    "step fixes it (`keras.random.normal((batch_size, ...))` with `batch_size` a constant): "
+    "take the rows from the data, `keras.ops.shape(x)[0]`, or train with gpus=1.")
 
 
 def _close(*datasets):
