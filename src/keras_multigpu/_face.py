@@ -40,6 +40,7 @@ class TemplateFace:
                 and not isinstance(value, _TRACKED)
                 and not isinstance(vars(template)[name], _TRACKED)):
             setattr(template, name, value)
+            self.__dict__.pop(name, None)  # a copy the wrapper held before the template had it
             return
         super().__setattr__(name, value)
 
