@@ -33,12 +33,12 @@ class TemplateFace:
         callback's `self.model.beta = 0.5`, which the template's `train_step` reads), is
         written to the template, where its steps read it, and read back from there. Keras's
         own attributes, and layers, variables, metrics and optimizers, stay where they are."""
+        if name.startswith("_") or name in self.__dict__.get("_keras_names", ()):
+            return super().__setattr__(name, value)  # most writes: Keras's own
         template = _template(self)
-        if (template is not None and not name.startswith("_")
-                and name not in self.__dict__.get("_keras_names", ())
-                and name in vars(template)
-                and not isinstance(value, _TRACKED)
-                and not isinstance(vars(template)[name], _TRACKED)):
+        if (template is not None and name in vars(template)
+                and not isinstance(vars(template)[name], _TRACKED)
+                and not isinstance(value, _TRACKED)):
             setattr(template, name, value)
             self.__dict__.pop(name, None)  # a copy the wrapper held before the template had it
             return
