@@ -1374,6 +1374,113 @@ def test_a_step_whose_loss_sums_its_rows_equals_one_device(gpus, summed):
     _assert_same(*_own_step_runs(gpus, make, 0.05, data))
 
 
+class InputGradients(keras.Model):
+    """A step that differentiates with respect to its inputs: an adversarial step (FGSM
+    without the sign: the inputs moved along the gradient of the mean loss, then trained
+    on beside the originals), or a gradient penalty (WGAN-GP's: each row's gradient of the
+    prediction, its norm kept near 1, under a tape or `create_graph`)."""
+
+    def __init__(self, mode):
+        super().__init__()
+        self.mode = mode
+        self.network = keras.Sequential([keras.Input((6,)),
+                                         keras.layers.Dense(8, activation="tanh"),
+                                         keras.layers.Dense(3)])
+        self.tracker = keras.metrics.Mean(name="loss")
+
+    def call(self, x):
+        return self.network(x)
+
+    @property
+    def metrics(self):
+        return [self.tracker]
+
+    def _loss(self, x, y):
+        return keras.ops.mean(keras.losses.sparse_categorical_crossentropy(
+            y, self(x), from_logits=True))
+
+    def _input_gradient(self, x, y):
+        if BACKEND == "tensorflow":
+            import tensorflow as tf
+
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                target = self(x) if self.mode == "penalty" else self._loss(x, y)
+            return tape.gradient(target, x)
+        import torch
+
+        x = x.detach().requires_grad_(True)
+        if self.mode == "penalty":
+            prediction = self(x)
+            return torch.autograd.grad(prediction, x, torch.ones_like(prediction),
+                                       create_graph=True)[0]
+        loss = self._loss(x, y)
+        if self.mode == "backward":
+            loss.backward()
+            return x.grad.detach()
+        return torch.autograd.grad(loss, [x])[0]
+
+    def _step_loss(self, x, y):
+        gradient = self._input_gradient(x, y)
+        if self.mode == "penalty":
+            norm = keras.ops.sqrt(keras.ops.sum(keras.ops.square(gradient), axis=1) + 1e-12)
+            return self._loss(x, y) + keras.ops.mean(keras.ops.square(norm - 1.0))
+        moved = keras.ops.stop_gradient(x + 20.0 * gradient)
+        return 0.5 * (self._loss(x, y) + self._loss(moved, y))
+
+    def train_step(self, data):
+        x, y = data
+        variables = self.network.trainable_weights
+        if BACKEND == "torch":
+            self.zero_grad()
+            loss = self._step_loss(x, y)
+            self.zero_grad()  # the "backward" mode's first pass filled them
+            loss.backward()
+            grads = [v.value.grad for v in variables]
+        else:
+            import tensorflow as tf
+
+            with tf.GradientTape() as tape:
+                loss = self._step_loss(x, y)
+            grads = tape.gradient(loss, variables)
+        self.optimizer.apply(grads, variables)
+        self.tracker.update_state(loss)
+        return {"loss": self.tracker.result()}
+
+    def test_step(self, data):
+        self.tracker.update_state(self._loss(*data))
+        return {"loss": self.tracker.result()}
+
+
+class Labelled(keras.utils.PyDataset):
+    def __init__(self, rows, batch_size):
+        super().__init__()
+        self.x, self.y = _data(rows)
+        self.batch_size = batch_size
+
+    def __len__(self):
+        return -(-len(self.x) // self.batch_size)
+
+    def __getitem__(self, i):
+        rows = slice(i * self.batch_size, (i + 1) * self.batch_size)
+        return self.x[rows], self.y[rows]
+
+
+@pytest.mark.skipif(BACKEND == "jax", reason="a TensorFlow and torch step (GradientTape, "
+                    "torch.autograd); JAX's stateless step sees the whole batch")
+@pytest.mark.parametrize("mode", ["adversarial", "penalty",
+                                  *(["backward"] if BACKEND == "torch" else [])])
+@pytest.mark.parametrize("gpus", [3])
+def test_a_step_that_differentiates_its_inputs_equals_one_device(gpus, mode):
+    """The gradient of a mean loss with respect to a replica's rows is k / n of its own:
+    one device divides by the batch's rows (weights 0.10 from one device's on TensorFlow,
+    0.08 on torch, an adversarial step of 47 rows in batches of 10 on 3 devices). A
+    per-row target's (a gradient penalty's) is each row's own. `backward` takes the input's
+    `.grad` after a backward pass (torch alone). 26 rows in batches of 5 leave two replicas of
+    the last batch without rows."""
+    _assert_same(*_own_step_runs(gpus, lambda: InputGradients(mode), 0.1, Labelled(26, 5)))
+
+
 class MaskedCaptioner(keras.Model):
     """keras-io's image captioning, in small: its TensorFlow `train_step` takes the loss as
     a masked mean written by hand, a ratio of two sums over the batch (the tokens that are

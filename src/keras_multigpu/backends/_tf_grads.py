@@ -20,28 +20,34 @@ _RATIOS = {"RealDiv": tf.math.truediv, "DivNoNan": tf.math.divide_no_nan}
 
 
 def tape_gradient(replica, original, self, target, sources, *args, **kwargs):
-    """`tf.GradientTape.gradient` inside a step. Gradients with respect to variables (a
-    step's loss with respect to its weights) are weighed by k/n and all-reduced at once:
-    one device's gradients, so that a step that clips them to a global norm, or moves its
-    weights along them (SAM), computes what one device does; the optimizer's `apply`
-    takes them as they are. Gradients with respect to tensors (a gradient penalty's, per
-    row) stay the replica's own. The gradient of a sum over the rows is weighed as this
-    replica's part of one device's sum (`_sums_rows`), that of a ratio of two sums by its
-    denominator's share of the batch's (`ratio_of_sums`)."""
-    from keras_multigpu.backends._tf_rules import _reduced  # it imports this module
+    """`tf.GradientTape.gradient` inside a step, as one device's. Gradients with respect to
+    variables (a step's loss with respect to its weights) are weighed by k/n and
+    all-reduced at once, so that a step that clips them to a global norm, or moves its
+    weights along them (SAM), computes what one device does; the optimizer's `apply` takes
+    them as they are. Gradients with respect to tensors of this replica's rows (an
+    adversarial step's input gradient) are weighed as one device's: of a mean loss, k/n of
+    the replica's, since one device divides by the batch's rows; of a per-row target (a
+    gradient penalty's), the replica's own. The gradient of a sum over the rows is weighed
+    as this replica's part of one device's sum (`_sums_rows`), that of a ratio of two sums
+    by its denominator's share of the batch's (`ratio_of_sums`). Gradients with respect to
+    other tensors stay the replica's own."""
+    from keras_multigpu.backends._tf_rules import _reduced, _weighed  # it imports this module
 
     grads = original(self, target, sources, *args, **kwargs)
-    variables = tf.nest.flatten(sources)
-    if not variables or not all(isinstance(s, (tf.Variable, keras.Variable)) for s in variables):
+    variables = [isinstance(s, (tf.Variable, keras.Variable)) for s in tf.nest.flatten(sources)]
+    if not variables or not all(v or rows_of(replica, s)
+                                for v, s in zip(variables, tf.nest.flatten(sources))):
         return grads
     flat = tf.nest.flatten(grads)
     part = _part(replica, target)
     if part is not None:  # this replica's part of one device's sum, times n / k
         flat = [None if g is None else _scaled(g, rules.share(replica, g.dtype)
                                                * tf.cast(part, g.dtype)) for g in flat]
-    reduced = _reduced(replica, flat)
+    reduced = _reduced(replica, [g if v else None for g, v in zip(flat, variables)])
     replica.reduced.extend(g for g in reduced if g is not None)
-    return tf.nest.pack_sequence_as(grads, reduced)
+    return tf.nest.pack_sequence_as(grads, [
+        r if v else None if g is None else _weighed(replica, g)
+        for g, r, v in zip(flat, reduced, variables)])
 
 
 def _part(replica, target):

@@ -7,8 +7,9 @@ pass, and the engine all-reduces them in DDP's buckets, overlapped with that pas
 pass and `apply`: a clip by a global norm it computes, SAM's perturbation. There every
 backward pass ends with the weighted all-reduce of the gradients it accumulated into
 parameters (in place), so that the step reads one device's; `apply` then takes them as
-they are. Gradients of tensors that are not parameters (a gradient penalty's, per row)
-stay the process's own. A sum over the rows is found by the graph, in `evaluate` too
+they are. Gradients with respect to tensors of the process's rows (an adversarial step's
+inputs, a gradient penalty's), from a backward pass or `torch.autograd.grad`, are weighed
+as one device's. A sum over the rows is found by the graph, in `evaluate` too
 (`compute_loss`)."""
 
 import keras
@@ -37,12 +38,15 @@ def backward(replica, original, tensors, *args, **kwargs):
     """`torch.autograd.backward` (which `Tensor.backward` calls) in a user's step: then the
     gradients it accumulated into parameters are weighed by k / n and all-reduced, in
     place. A second backward pass adds its process's own part to what is one device's
-    already, and its all-reduce leaves that part as it is (the weights sum to 1)."""
+    already, and its all-reduce leaves that part as it is (the weights sum to 1). What it
+    accumulated into tensors of this process's rows (an adversarial step's inputs, made to
+    require grad) is weighed as one device's (`_input_grads`), in place."""
     if _sums_rows(replica, tensors):  # this process's part of one device's sum, times n / k
         tensors = tensors * rules.share(replica, tensors.dtype)
     if replica.own_step:  # Keras's step (a `compute_loss` that sums: keras-io's BERT MLM):
         return original(tensors, *args, **kwargs)  # the buckets weigh it by k / n
-    params = _parameters(tensors)  # read before the pass, which frees the graph
+    params, leaves = _leaves(tensors)  # read before the pass, which frees the graph
+    before = [None if leaf.grad is None else leaf.grad.clone() for leaf in leaves]
     result = original(tensors, *args, **kwargs)
     grads = [p.grad for p in params if p.grad is not None]
     if grads:
@@ -54,7 +58,45 @@ def backward(replica, original, tensors, *args, **kwargs):
             for g, s in zip(grads, summed):
                 g.copy_(s)
         replica.reduced.extend(grads)
+    if leaves and _of_rows(replica, leaves):
+        with torch.no_grad():
+            for leaf, old in zip(leaves, before):
+                if leaf.grad is not None:
+                    added = leaf.grad if old is None else leaf.grad - old
+                    weighed = rules.weigh_gradient(replica, added)
+                    leaf.grad.copy_(weighed if old is None else old + weighed)
     return result
+
+
+def grad(replica, original, outputs, inputs, *args, **kwargs):
+    """`torch.autograd.grad` in a user's step. Gradients with respect to tensors of this
+    process's rows (an adversarial step's input gradient, a gradient penalty's) are weighed
+    as one device's (`_input_grads`); those with respect to parameters are the process's
+    own, which the optimizer's `apply` all-reduces."""
+    listed = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+    if not listed or any(isinstance(t, torch.nn.Parameter) for t in listed) or not _of_rows(
+            replica, listed):
+        return original(outputs, inputs, *args, **kwargs)
+    targets = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+    summed = all([_sums_rows(replica, t) for t in targets])  # every process votes on each
+    grads = original(outputs, inputs, *args, **kwargs)
+    return tuple(None if g is None else _input_grads(replica, g, summed) for g in grads)
+
+
+def _input_grads(replica, gradient, summed):
+    """One device's gradient with respect to a tensor of this process's rows, from the
+    process's own: one device's mean divides by the batch's rows, so the gradient of a
+    mean is k / n of the process's; that of a sum over the rows (a per-row target) is the
+    process's own."""
+    if summed:
+        return rules.weigh_gradient(replica, gradient * rules.share(replica, gradient.dtype))
+    return rules.weigh_gradient(replica, gradient)
+
+
+def _of_rows(replica, tensors):
+    """Whether every one of `tensors` holds this process's rows (every process votes)."""
+    return voted(replica, all(rows_of(replica, t) for t in tensors), tensors,
+                 "all-reduce of a gradient's inputs' rows")
 
 
 def compute_loss(replica, original, model, *args, **kwargs):
@@ -122,12 +164,13 @@ def _sums_rows(replica, tensors):
     return voted(replica, rows, [tensors], "all-reduce of a backward pass's rows")
 
 
-def _parameters(tensors):
-    """The parameters the backward pass from `tensors` accumulates into, in the graph's
-    order (the same on every process, which runs the same step)."""
+def _leaves(tensors):
+    """The parameters the backward pass from `tensors` accumulates into, and the other
+    tensors it accumulates into (inputs made to require grad), in the graph's order (the
+    same on every process, which runs the same step)."""
     roots = tensors if isinstance(tensors, (list, tuple)) else [tensors]
     stack = [t.grad_fn for t in roots if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    seen, found = set(), []
+    seen, params, leaves = set(), [], []
     while stack:
         node = stack.pop()
         if node is None or node in seen:
@@ -135,6 +178,8 @@ def _parameters(tensors):
         seen.add(node)
         variable = getattr(node, "variable", None)
         if isinstance(variable, torch.nn.Parameter):
-            found.append(variable)
+            params.append(variable)
+        elif isinstance(variable, torch.Tensor):
+            leaves.append(variable)
         stack.extend(child for child, _ in node.next_functions)
-    return found
+    return params, leaves

@@ -352,6 +352,7 @@ def _rules_table():
         (torch.nn.functional, "batch_norm", _torch_native.batch_norm, _step),
         *((owner, name, rule, _step) for owner, name, rule in _torch_grads.on_keras_steps()),
         (torch.autograd, "backward", _torch_grads.backward, _step),
+        (torch.autograd, "grad", _torch_grads.grad, _step),
         (keras.optimizers.Optimizer, "apply", _apply, _step),
         # Its own `apply` checks the gradients are finite before the inner optimizer's:
         # on the sums, as one device checks its gradients, so every rank decides alike.
