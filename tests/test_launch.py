@@ -92,10 +92,13 @@ def test_a_wrong_process_count_is_refused(tmp_path, count):
     assert "Traceback" not in result.stderr
 
 
-def test_a_missing_script_is_named(tmp_path):
-    result = _run([*LAUNCH, "-n", "2", "no_such_script.py"], tmp_path)
+@pytest.mark.parametrize("script, said", [("no_such_script.py", "No such script"),
+                                           ("a_folder", "Not a script, a folder")])
+def test_a_missing_script_is_named(tmp_path, script, said):
+    (tmp_path / "a_folder").mkdir()
+    result = _run([*LAUNCH, "-n", "2", script], tmp_path)
     assert result.returncode == 2
-    assert "No such script: 'no_such_script.py'" in result.stderr
+    assert f"{said}: {script!r}" in result.stderr
     assert "Traceback" not in result.stderr
 
 

@@ -66,6 +66,30 @@ def _optimizer_names(model):
     return [type(optimizer).__name__ for optimizer in _optimizers(model)] or None
 
 
+def _optimizer_weights(model):
+    """For each of `model`'s optimizers (`_optimizers`' order), the places in `model.weights`
+    of the variables it was built for, or None where it is not built (or holds others): a
+    resume builds a GAN's own optimizers alike before their state loads, where their first
+    step would build them after it (and their state would not load)."""
+    places = {id(weight): i for i, weight in enumerate(model.weights)}
+    found = []
+    for optimizer in _optimizers(model):
+        variables = getattr(optimizer, "_trainable_variables", None) if optimizer.built else None
+        found.append(None if variables is None or any(id(v) not in places for v in variables)
+                     else [places[id(v)] for v in variables])
+    return found
+
+
+def _build_optimizers(model, built):
+    """Builds each optimizer of `model` that is not built on the weights `built`
+    (`_optimizer_weights` of the run that wrote the checkpoint) names for it."""
+    weights = model.weights
+    for optimizer, places in zip(_optimizers(model), built or ()):
+        if (places is not None and not optimizer.built
+                and all(isinstance(p, int) and 0 <= p < len(weights) for p in places)):
+            optimizer.build([weights[p] for p in places])
+
+
 def _numpy(variable):
     return np.asarray(variable.numpy())
 
@@ -97,6 +121,7 @@ class CheckpointState:
             "num_batches": None if dataset is None else int(dataset.num_batches + dataset.skip),
             "replicas": model.num_replicas,
             "optimizers": _optimizer_names(model.template),
+            "optimizer_weights": _optimizer_weights(model.template),
             "data": {"generators": generators, "now": now},
             "random": {**batching.generator_state(random),
                        **batching.generator_state(np.random)},
@@ -140,7 +165,9 @@ class CheckpointState:
                 "resume=False (or another directory) to start afresh.")
         if optimizer is not None and not optimizer.built:
             optimizer.build(template.trainable_variables)
-        # Another optimizer of the model's (a GAN's) is built by its first step, after this.
+        # Another optimizer of the model's (a GAN's) is built by its first step, after this:
+        # built here on the weights it was built on in the run that wrote the checkpoint.
+        _build_optimizers(template, state.get("optimizer_weights"))
         unbuilt = [o.name for o in _optimizers(template) if not o.built]
         try:
             with warnings.catch_warnings(record=True) as caught:

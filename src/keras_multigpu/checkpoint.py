@@ -78,6 +78,12 @@ def _checked_state(state):
             raise CheckpointError(f"state.json's {key!r} is {state[key]!r}")
     if "generators" not in state["data"] or not {"python", "numpy"} <= set(state["random"]):
         raise CheckpointError("state.json lacks the data's or the random state")
+    built = state.get("optimizer_weights")  # absent from checkpoints written before it was kept
+    if built is not None and not (isinstance(built, list) and all(
+            places is None or isinstance(places, list) and all(
+                isinstance(p, int) and not isinstance(p, bool) for p in places)
+            for places in built)):
+        raise CheckpointError(f"state.json's 'optimizer_weights' is {built!r}")
     return state
 
 
@@ -93,7 +99,9 @@ class Checkpoint(CheckpointState, keras.callbacks.Callback):
     - `model.keras`: the model with its optimizer state (so the learning-rate
       schedule's position, the optimizer's iteration count), a plain Keras file;
     - `state.json`: the epoch, the step within it, the global step, the
-      optimizers' classes, the generators the data order is drawn from (as the
+      optimizers' classes and the weights each was built on (a GAN's own, which
+      their first step builds, are built so before their state loads), the
+      generators the data order is drawn from (as the
       epoch started) and Python's and NumPy's global generators;
     - `arrays.npz`: the epoch's data order as read so far, the states of the
       model's `SeedGenerator`s (Dropout masks, noise) and of the metrics.

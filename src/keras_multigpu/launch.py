@@ -225,8 +225,9 @@ def launch(nproc, command, *, address="127.0.0.1", port=None, quiet_ranks=False,
                               "package.train`.")
     elif not os.path.isfile(command[0]):
         raise LaunchError(
-            f"No such script: {command[0]!r} (from {os.getcwd()}). Pass the path of a Python "
-            "file, or -m and a module name."
+            f"{'Not a script, a folder' if os.path.isdir(command[0]) else 'No such script'}: "
+            f"{command[0]!r} (from {os.getcwd()}). Pass the path of a Python file, or -m and "
+            "a module name."
         )
     if nnodes > 1 and port is None:
         port = DEFAULT_PORT
