@@ -1246,16 +1246,22 @@ class ClippedByItsNorm(_DenseWithTracker):
     """A step that clips its gradients to a global norm it computes itself, before
     `optimizer.apply` (as SAM moves its weights along them): not linear in them."""
 
-    def __init__(self):
+    def __init__(self, autograd=False):
         super().__init__("loss")
+        self.autograd = autograd  # torch: `torch.autograd.grad` rather than a backward pass
 
     def train_step(self, data):
         x, y = data
         if BACKEND == "torch":
+            import torch
+
             self.zero_grad()
             loss = self.compute_loss(y=y, y_pred=self(x, training=True))
-            loss.backward()
-            grads = [v.value.grad for v in self.trainable_variables]
+            if self.autograd:
+                grads = torch.autograd.grad(loss, [v.value for v in self.trainable_variables])
+            else:
+                loss.backward()
+                grads = [v.value.grad for v in self.trainable_variables]
         else:
             import tensorflow as tf
 
@@ -1271,16 +1277,19 @@ class ClippedByItsNorm(_DenseWithTracker):
 
 @pytest.mark.skipif(BACKEND == "jax", reason="a TensorFlow and torch step (GradientTape, "
                     "backward); JAX's stateless step sees the whole batch")
+@pytest.mark.parametrize("autograd", [False, *([True] if BACKEND == "torch" else [])])
 @pytest.mark.parametrize("gpus", [3])
-def test_a_step_that_clips_its_gradients_by_their_norm_equals_one_device(gpus):
+def test_a_step_that_clips_its_gradients_by_their_norm_equals_one_device(gpus, autograd):
     """TensorFlow all-reduces a step's gradients where its tape takes them, torch at the
-    end of the step's backward pass, so the norm is one device's (each replica's norm was
-    its own: weights 2.5e-2 from one device's on TensorFlow, 1.5e-2 on torch)."""
+    end of the step's backward pass or where `torch.autograd.grad` returns them, so the
+    norm is one device's (each replica's norm was its own: weights 2.5e-2 from one device's
+    on TensorFlow, 1.5e-2 on torch; through `torch.autograd.grad`, the second epoch's loss
+    1.9e-2 from one device's)."""
     x, y = _data(47)
     runs = []
     for count in (None, gpus):
         keras.utils.set_random_seed(0)
-        model = ClippedByItsNorm()
+        model = ClippedByItsNorm(autograd)
         target = model if count is None else kmg.multi_gpu_model(model, gpus=count)
         target.compile(optimizer=keras.optimizers.SGD(0.5),
                        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))

@@ -9,7 +9,8 @@ backward pass ends with the weighted all-reduce of the gradients it accumulated 
 parameters (in place), so that the step reads one device's; `apply` then takes them as
 they are. Gradients with respect to tensors of the process's rows (an adversarial step's
 inputs, a gradient penalty's), from a backward pass or `torch.autograd.grad`, are weighed
-as one device's. A sum over the rows is found by the graph, in `evaluate` too
+as one device's; `torch.autograd.grad`'s with respect to parameters are all-reduced as a
+backward pass's are. A sum over the rows is found by the graph, in `evaluate` too
 (`compute_loss`)."""
 
 import keras
@@ -69,18 +70,37 @@ def backward(replica, original, tensors, *args, **kwargs):
 
 
 def grad(replica, original, outputs, inputs, *args, **kwargs):
-    """`torch.autograd.grad` in a user's step. Gradients with respect to tensors of this
-    process's rows (an adversarial step's input gradient, a gradient penalty's) are weighed
-    as one device's (`_input_grads`); those with respect to parameters are the process's
-    own, which the optimizer's `apply` all-reduces."""
+    """`torch.autograd.grad` in a user's step, as one device's. Gradients with respect to
+    parameters are weighed by k / n and all-reduced at once, as a backward pass's are (a
+    clip by their global norm is exact; `apply` takes them as they are), but where the
+    step differentiates them again (`create_graph`), which an all-reduce would cut: then
+    `apply` all-reduces them. Gradients with respect to tensors of this process's rows (an
+    adversarial step's input gradient, a gradient penalty's) are weighed as one device's
+    (`_input_grads`); those with respect to other tensors are the process's own."""
     listed = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
-    if not listed or any(isinstance(t, torch.nn.Parameter) for t in listed) or not _of_rows(
-            replica, listed):
+    params = [isinstance(t, torch.nn.Parameter) for t in listed]
+    graph = kwargs.get("create_graph", args[2] if len(args) > 2 else False)
+    if not listed or (all(params) and graph) or (not all(params) and (
+            any(params) or not _of_rows(replica, listed))):
         return original(outputs, inputs, *args, **kwargs)
     targets = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
     summed = all([_sums_rows(replica, t) for t in targets])  # every process votes on each
     grads = original(outputs, inputs, *args, **kwargs)
-    return tuple(None if g is None else _input_grads(replica, g, summed) for g in grads)
+    if not all(params):
+        return tuple(None if g is None else _input_grads(replica, g, summed) for g in grads)
+    from keras_multigpu.backends import torch as engine  # it imports this module
+
+    if summed:
+        grads = [None if g is None else g * rules.share(replica, g.dtype) for g in grads]
+    present = [g for g in grads if g is not None]
+    if not present:
+        return tuple(grads)
+    with torch.no_grad():
+        summed_grads = iter(engine._flat_all_reduce(
+            [rules.weigh_gradient(replica, g) for g in present], "all-reduce of the gradients"))
+    grads = tuple(None if g is None else next(summed_grads) for g in grads)
+    replica.reduced.extend(g for g in grads if g is not None)
+    return grads
 
 
 def _input_grads(replica, gradient, summed):
