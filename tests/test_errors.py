@@ -87,6 +87,8 @@ def test_multi_gpu_model_refuses_a_non_model(bad, type_name):
         kmg.multi_gpu_model(bad)
     assert type(info.value) is TypeError
     assert "keras.Model" in str(info.value)
+    # a path: what to do with it
+    assert ("keras.saving.load_model('model.keras')" in str(info.value)) == (type_name == "str")
 
 
 @pytest.mark.parametrize(

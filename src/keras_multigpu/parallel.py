@@ -16,6 +16,7 @@ user's model.
 """
 
 import contextlib
+import os
 import warnings
 
 import keras
@@ -66,9 +67,12 @@ def multi_gpu_model(model, gpus=None, cpu_merge=True, cpu_relocation=False):
     if isinstance(model, ParallelModel):
         model = model.template
     if not isinstance(model, keras.Model):
+        path = isinstance(model, (str, os.PathLike))
         raise TypeError(
             "multi_gpu_model expects a keras.Model (Sequential, Functional or "
             f"subclassed). Received: model of type {type(model).__name__}."
+            + (f" To wrap a saved model, load it first: keras.saving.load_model({str(model)!r})."
+               if path else "")
         )
     if keras.distribution.distribution() is not None:
         raise RuntimeError(
