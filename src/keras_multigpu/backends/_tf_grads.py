@@ -34,9 +34,9 @@ def tape_gradient(replica, original, self, target, sources, *args, **kwargs):
     from keras_multigpu.backends._tf_rules import _reduced, _weighed  # it imports this module
 
     grads = original(self, target, sources, *args, **kwargs)
-    variables = [isinstance(s, (tf.Variable, keras.Variable)) for s in tf.nest.flatten(sources)]
-    if not variables or not all(v or rows_of(replica, s)
-                                for v, s in zip(variables, tf.nest.flatten(sources))):
+    flat_sources = tf.nest.flatten(sources)
+    variables = [isinstance(s, (tf.Variable, keras.Variable)) for s in flat_sources]
+    if not variables or not all(v or rows_of(replica, s) for v, s in zip(variables, flat_sources)):
         return grads
     flat = tf.nest.flatten(grads)
     part = _part(replica, target)

@@ -41,7 +41,7 @@ def backward(replica, original, tensors, *args, **kwargs):
     place. A second backward pass adds its process's own part to what is one device's
     already, and its all-reduce leaves that part as it is (the weights sum to 1). What it
     accumulated into tensors of this process's rows (an adversarial step's inputs, made to
-    require grad) is weighed as one device's (`_input_grads`), in place."""
+    require grad) is weighed as one device's, in place."""
     if _sums_rows(replica, tensors):  # this process's part of one device's sum, times n / k
         tensors = tensors * rules.share(replica, tensors.dtype)
     if replica.own_step:  # Keras's step (a `compute_loss` that sums: keras-io's BERT MLM):
@@ -50,15 +50,10 @@ def backward(replica, original, tensors, *args, **kwargs):
     before = [None if leaf.grad is None else leaf.grad.clone() for leaf in leaves]
     result = original(tensors, *args, **kwargs)
     grads = [p.grad for p in params if p.grad is not None]
-    if grads:
-        from keras_multigpu.backends import torch as engine  # it imports this module
-
-        with torch.no_grad():
-            summed = engine._flat_all_reduce([rules.weigh_gradient(replica, g) for g in grads],
-                                             "all-reduce of the gradients")
-            for g, s in zip(grads, summed):
-                g.copy_(s)
-        replica.reduced.extend(grads)
+    with torch.no_grad():
+        for g, s in zip(grads, weighed_sums(replica, grads)):
+            g.copy_(s)
+    replica.reduced.extend(grads)
     if leaves and _of_rows(replica, leaves):
         with torch.no_grad():
             for leaf, old in zip(leaves, before):
@@ -76,7 +71,8 @@ def grad(replica, original, outputs, inputs, *args, **kwargs):
     step differentiates them again (`create_graph`), which an all-reduce would cut: then
     `apply` all-reduces them. Gradients with respect to tensors of this process's rows (an
     adversarial step's input gradient, a gradient penalty's) are weighed as one device's
-    (`_input_grads`); those with respect to other tensors are the process's own."""
+    (k / n of a mean's, a per-row target's as it is); those with respect to other tensors
+    are the process's own."""
     listed = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
     params = [isinstance(t, torch.nn.Parameter) for t in listed]
     graph = kwargs.get("create_graph", args[2] if len(args) > 2 else False)
@@ -86,31 +82,27 @@ def grad(replica, original, outputs, inputs, *args, **kwargs):
     targets = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
     summed = all([_sums_rows(replica, t) for t in targets])  # every process votes on each
     grads = original(outputs, inputs, *args, **kwargs)
-    if not all(params):
-        return tuple(None if g is None else _input_grads(replica, g, summed) for g in grads)
-    from keras_multigpu.backends import torch as engine  # it imports this module
-
-    if summed:
+    if summed:  # this process's part of one device's sum, times n / k (as `backward` scales)
         grads = [None if g is None else g * rules.share(replica, g.dtype) for g in grads]
-    present = [g for g in grads if g is not None]
-    if not present:
-        return tuple(grads)
-    with torch.no_grad():
-        summed_grads = iter(engine._flat_all_reduce(
-            [rules.weigh_gradient(replica, g) for g in present], "all-reduce of the gradients"))
-    grads = tuple(None if g is None else next(summed_grads) for g in grads)
+    if not all(params):  # one device's mean divides by the batch's rows: k / n of this one's
+        return tuple(None if g is None else rules.weigh_gradient(replica, g) for g in grads)
+    grads = tuple(weighed_sums(replica, grads))
     replica.reduced.extend(g for g in grads if g is not None)
     return grads
 
 
-def _input_grads(replica, gradient, summed):
-    """One device's gradient with respect to a tensor of this process's rows, from the
-    process's own: one device's mean divides by the batch's rows, so the gradient of a
-    mean is k / n of the process's; that of a sum over the rows (a per-row target) is the
-    process's own."""
-    if summed:
-        return rules.weigh_gradient(replica, gradient * rules.share(replica, gradient.dtype))
-    return rules.weigh_gradient(replica, gradient)
+def weighed_sums(replica, grads):
+    """`grads` (None kept) weighed by k / n and summed across processes, in one all-reduce:
+    one device's gradients, from each process's gradients of its mean."""
+    from keras_multigpu.backends import torch as engine  # it imports this module
+
+    present = [g for g in grads if g is not None]
+    if not present:
+        return list(grads)
+    with torch.no_grad():
+        summed = iter(engine._flat_all_reduce([rules.weigh_gradient(replica, g) for g in present],
+                                              "all-reduce of the gradients"))
+    return [None if g is None else next(summed) for g in grads]
 
 
 def _of_rows(replica, tensors):

@@ -296,12 +296,7 @@ def _apply(replica, original, self, grads, trainable_variables=None):
     else:
         reduced = None if reducer is None else reducer.take(grads, trainable_variables)
     if reduced is None:
-        present = [i for i, g in enumerate(grads) if g is not None]
-        reduced = list(grads)
-        if present:
-            weighed = [rules.weigh_gradient(replica, grads[i]) for i in present]
-            for i, g in zip(present, _flat_all_reduce(weighed, "all-reduce of the gradients")):
-                reduced[i] = g
+        reduced = _torch_grads.weighed_sums(replica, grads)
         if reducer is None and trainable_variables is not None and replica.own_step:
             reducers[id(self)] = Reducer(trainable_variables, _collective)
     grads = reduced
