@@ -14,7 +14,7 @@ import keras
 import numpy as np
 import pytest
 
-from keras_multigpu import rules, rules_rows
+from keras_multigpu import rules, rules_mixing, rules_rows
 from keras_multigpu._keras import backend, base_trainer, loss_module
 
 # Rows per replica: even, uneven, and replicas left without rows (a batch smaller than the
@@ -897,6 +897,72 @@ def test_a_weight_contracted_with_itself_is_not_gathered(split, axes):
     for part in parts:
         np.testing.assert_allclose(_numpy(part), one, rtol=1e-6)
     assert replicas.calls == [1] * len(split)  # the vote, and no gather
+
+
+def _contrastive(z1, z2, temperature):
+    """SimCLR's loss, in small: each row's projection compared with every row's of the
+    other view; one value per row, and their mean."""
+    z1, z2 = keras.ops.normalize(z1, axis=1), keras.ops.normalize(z2, axis=1)
+    similarities = keras.ops.matmul(z1, keras.ops.transpose(z2)) / temperature
+    labels = keras.ops.arange(keras.ops.shape(z1)[0])
+    values = keras.losses.sparse_categorical_crossentropy(labels, similarities,
+                                                          from_logits=True)
+    return {"rows": values, "mean": keras.ops.mean(values)}
+
+
+def _marked(replicas):
+    return rules.installed([(rules_mixing._Marked, "call", rules.mixing_function,
+                             replicas.guard)])
+
+
+@pytest.mark.parametrize("split", SPLITS, ids=str)
+def test_a_function_marked_mixes_rows_gives_one_devices_rows(split):
+    """A custom step's function marked `mixes_rows` (a contrastive loss) runs on the batch
+    gathered from every replica: each keeps its own rows of a per-row result, and a result
+    of one value is one device's on every replica. A tensor of other rows (the temperature)
+    passes as it is."""
+    n = sum(split)
+    z1, z2 = np.random.default_rng(13).normal(size=(2, n, 4)).astype("float32")
+    temperature = keras.ops.convert_to_tensor(0.5)
+    one = {key: _numpy(v) for key, v in _contrastive(z1, z2, temperature).items()}
+    function = rules_mixing.mixes_rows(_contrastive)
+    replicas = _Replicas(split)
+    with _marked(replicas):
+        parts = replicas.run(lambda replica, rows: function(
+            keras.ops.convert_to_tensor(z1[rows]), keras.ops.convert_to_tensor(z2[rows]),
+            temperature=temperature))
+    for (k, start), part in zip(zip(split, _starts(split)), parts):
+        assert _numpy(part["rows"]).shape == (k,)
+        np.testing.assert_allclose(_numpy(part["rows"]), one["rows"][start:start + k],
+                                   rtol=1e-5)
+        np.testing.assert_allclose(_numpy(part["mean"]), one["mean"], rtol=1e-5)
+    assert len(set(replicas.calls)) == 1  # every replica joined the same collectives
+    # Outside a step, it runs as it is.
+    np.testing.assert_allclose(_numpy(function(z1, z2, temperature)["mean"]), one["mean"])
+
+
+@pytest.mark.parametrize("split", SPLITS, ids=str)
+@pytest.mark.parametrize("target", ["mean", "sum"])
+def test_a_marked_functions_gradient_reaches_each_replicas_rows(split, target):
+    """The gradient of a marked function's result crosses replicas through the gather.
+    Of the mean over each replica's rows, weighed by k / n, and of their sum, weighed as
+    the engines weigh a sum (n / k, then k / n), it is one device's for each row."""
+    n = sum(split)
+    z1, z2 = np.random.default_rng(14).normal(size=(2, n, 4)).astype("float32")
+    function = rules_mixing.mixes_rows(_contrastive)
+
+    def loss(values, rows):
+        return (keras.ops.mean(values) if target == "mean"
+                else keras.ops.sum(values) * (n / max(rows, 1)))
+
+    one = _input_gradient(lambda a: loss(_contrastive(a, z2, 0.5)["rows"], n), z1)
+    replicas = _Replicas(split)
+    with _marked(replicas):
+        parts = replicas.run(lambda replica, rows: _input_gradient(
+            lambda a: loss(function(a, keras.ops.convert_to_tensor(z2[rows]), 0.5)["rows"],
+                           len(z1[rows])), z1[rows]))
+    weighed = np.concatenate([(k / n) * part for k, part in zip(split, parts)])
+    np.testing.assert_allclose(weighed, one, rtol=1e-5, atol=1e-6)
 
 
 def test_a_draw_not_shaped_by_the_rows_is_the_replicas_own():

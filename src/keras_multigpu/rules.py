@@ -46,7 +46,7 @@ from keras_multigpu.rules_metrics import (
     wrapped_update,
     wrapped_value,
 )
-from keras_multigpu.rules_mixing import mixing_layer, mixing_layers
+from keras_multigpu.rules_mixing import _Marked, mixing_function, mixing_layer, mixing_layers
 from keras_multigpu.rules_random import batch_draw, categorical, dropout, random_draw
 from keras_multigpu.rules_weights import (
     held,
@@ -62,7 +62,8 @@ __all__ = [
     "Replica", "held", "weight", "share", "weigh", "weigh_gradient", "scaled_loss",
     "weighted_scalar", "reduce_values", "apply_mask", "additional_loss", "mean_update",
     "weighted_sum", "moments", "batch_draw", "random_draw", "dropout", "categorical",
-    "mixing_layer", "batch_contraction", "compiled_loss", "one_value_loss", "own_call_loss",
+    "mixing_layer", "mixing_function", "batch_contraction", "compiled_loss", "one_value_loss",
+    "own_call_loss",
     "global_result", "metrics_result", "generic_metrics_result", "own_logs", "wrapped_update",
     "metrics_owner", "metric_classes", "table", "installed", "suspended"]
 
@@ -307,6 +308,7 @@ def table(step, call, random_module, draws, logs=None):
         (random_module, "dropout", dropout, step),
         (random_module, "categorical", categorical, step),
         *((cls, "call", mixing_layer, step) for cls in mixing_layers()),
+        (_Marked, "call", mixing_function, step),
         (backend.numpy, "tensordot", batch_contraction, step),
         *rules_rows.table(step),
         (base_trainer.CompileLoss, "call", compiled_loss, step),

@@ -124,13 +124,30 @@ def voted(replica, rows, tensors, what):
     replica must join: call it where the question is the same on every one."""
     if replica.traced:
         return bool(rows)
+    return all(_voted(replica, [rows] * len(tensors), tensors, what))
+
+
+def rows_among(replica, tensors, what):
+    """For each of `tensors`, whether it holds the batch's rows (`rows_of`; for eager
+    replicas, `voted`'s vote, one for each tensor in one all-reduce). Every replica asks
+    about as many tensors."""
+    rows = [rows_of(replica, x) for x in tensors]
+    if replica.traced or not tensors:
+        return rows
+    return _voted(replica, rows, tensors, what)
+
+
+def _voted(replica, rows, tensors, what):
+    """Each tensor's vote (`voted`): every replica found its rows there (`rows`, a finding
+    per tensor), and the tensor is not the same on every replica."""
     mine = keras.ops.stop_gradient(keras.ops.stack(
-        [keras.ops.convert_to_tensor(float(rows))]
+        [keras.ops.convert_to_tensor(float(r)) for r in rows]
         + [keras.ops.cast(keras.ops.sum(x), "float32") for x in tensors]))
     slot = keras.ops.one_hot(replica.index, replica.replicas, dtype="float32")
     every = keras.ops.convert_to_numpy(replica.all_reduce([slot[:, None] * mine[None]],
                                                           what)[0])
-    return bool(every[:, 0].all() and (every[:, 1:] != every[:1, 1:]).any(axis=0).all())
+    found, sums = every[:, :len(rows)], every[:, len(rows):]
+    return list(found.all(axis=0) & (sums != sums[:1]).any(axis=0))
 
 
 def classes_defining(base, name):

@@ -1,7 +1,7 @@
-"""The exactness rule of a layer whose rows depend on the whole batch (Keras's `MixUp`, a
-layer the user marks with `mixes_rows`), written once in `keras.ops` (see `rules`): each
-replica runs it on the batch gathered from every replica (`rules_gather.gather_all`) and
-keeps its own rows."""
+"""The exactness rule of a layer or function whose rows depend on the whole batch (Keras's
+`MixUp`, a layer or a custom step's function the user marks with `mixes_rows`), written once
+in `keras.ops` (see `rules`): each replica runs it on the batch gathered from every replica
+(`rules_gather.gather_all`) and keeps its own rows."""
 
 import contextlib
 import functools
@@ -10,7 +10,7 @@ import weakref
 
 import keras
 
-from keras_multigpu.rules_gather import gather_all, own_rows
+from keras_multigpu.rules_gather import gather, gather_all, own_rows, rows_among
 
 _MARKED = []  # the user's Layer classes marked with `mixes_rows`, in order
 _MARKED_LAYERS = weakref.WeakSet()  # the user's layers marked one by one (a Lambda)
@@ -39,19 +39,100 @@ def mixes_rows(cls):
     function over the batch): `mixes_rows(keras.layers.Lambda(lambda t: t - ops.mean(t,
     axis=0)))`.
 
+    A function that a custom `train_step` calls is marked as well: a contrastive loss that
+    compares every row with every other (SimCLR's, CLIP's `ops.matmul(a, ops.transpose(b))`).
+    Each replica calls it with every argument of the batch's rows gathered (the tensors
+    whose first dimension is the replica's rows), and keeps its own rows of each result
+    whose first dimension is the batch's; a result of one value is the batch's, on every
+    replica. Metrics it updates see the whole batch.
+
+        @keras_multigpu.mixes_rows
+        def contrastive_loss(z1, z2):
+            similarities = ops.matmul(z1, ops.transpose(z2))
+            labels = ops.arange(ops.shape(z1)[0])
+            return keras.losses.sparse_categorical_crossentropy(
+                labels, similarities, from_logits=True)
+
+    A method is marked in the class body as a function is. Marked or not, it runs as it is
+    outside a step (and on JAX).
+
     Returns:
-        `cls`, unchanged (a class decorator), or the layer marked.
+        `cls`, unchanged (a class decorator), the layer marked, or the function marked.
     """
     if isinstance(cls, keras.layers.Layer):
         _MARKED_LAYERS.add(cls)
         return cls
+    if _is_function(cls):
+        @functools.wraps(cls)
+        def marked(*args, **kwargs):
+            return _Marked.call(cls, *args, **kwargs)
+
+        marked._keras_multigpu_mixes_rows = True
+        return marked
     if not (isinstance(cls, type) and issubclass(cls, keras.layers.Layer)):
         raise TypeError(
-            "mixes_rows marks a keras.layers.Layer subclass (use it as a class decorator) "
-            f"or a layer. Received: {cls!r}.")
+            "mixes_rows marks a keras.layers.Layer subclass (use it as a class decorator), "
+            f"a layer, or a function of the batch's rows. Received: {cls!r}.")
     if cls not in _MARKED:
         _MARKED.append(cls)
     return cls
+
+
+def _is_function(value):
+    """Whether `value` is a plain function or method (`mixes_rows` marks it): not a class,
+    not a layer, not any other callable object (an optimizer is one)."""
+    import types
+
+    return isinstance(value, (types.FunctionType, types.MethodType, functools.partial))
+
+
+class _Marked:
+    """Where a function `mixes_rows` marked is called: the rules patch `call` inside a
+    step (`mixing_function`); elsewhere it calls the function as it is."""
+
+    @staticmethod
+    def call(function, *args, **kwargs):
+        return function(*args, **kwargs)
+
+
+def mixing_function(replica, original, function, *args, **kwargs):
+    """A function `mixes_rows` marked (`original` calls it) on the global batch: every
+    replica gathers its arguments of the batch's rows (`rows_among`: on eager replicas, one
+    small vote), calls it with one device's draws for n rows, and keeps its own rows of
+    each result whose first dimension is the batch's. A result of one value is the batch's
+    on every replica: the step's logs take it as it is."""
+    leaves = keras.tree.flatten((args, kwargs))
+    tensors = [x for x in leaves if keras.ops.is_tensor(x)]
+    rows = iter(rows_among(replica, tensors, f"all-reduce of {function.__name__}'s rows"))
+    what = f"all-gather of the batch for {function.__name__}"
+    batch = [gather(replica, x, what) if keras.ops.is_tensor(x) and next(rows) else x
+             for x in leaves]
+    args, kwargs = keras.tree.pack_sequence_as((args, kwargs), batch)
+    k, start = replica.k, replica.start
+    replica.k, replica.start = replica.n, 0  # its draws are one device's for the batch
+    try:
+        result = original(function, *args, **kwargs)
+    finally:
+        replica.k, replica.start = k, start
+
+    def own(x):
+        if not keras.ops.is_tensor(x):
+            return x
+        if len(x.shape) == 0:
+            replica.results.append(x)  # the batch's already
+            return x
+        return own_rows(replica, x) if _batch_rows(replica, x) else x
+
+    return keras.tree.map_structure(own, result)
+
+
+def _batch_rows(replica, x):
+    """Whether `x`'s first dimension may be the batch's n rows (a traced step's dynamic one;
+    the same answer on every replica: the results are computed from the gathered batch)."""
+    rows = keras.ops.shape(x)[0]
+    if replica.traced:
+        return not isinstance(rows, int)
+    return int(rows) == int(replica.n)
 
 
 def mixing_layers():

@@ -33,21 +33,37 @@ def tape_gradient(replica, original, self, target, sources, *args, **kwargs):
     other tensors stay the replica's own."""
     from keras_multigpu.backends._tf_rules import _reduced, _weighed  # it imports this module
 
-    grads = original(self, target, sources, *args, **kwargs)
     flat_sources = tf.nest.flatten(sources)
     variables = [isinstance(s, (tf.Variable, keras.Variable)) for s in flat_sources]
     if not variables or not all(v or rows_of(replica, s) for v, s in zip(variables, flat_sources)):
-        return grads
-    flat = tf.nest.flatten(grads)
+        return original(self, target, sources, *args, **kwargs)
     part = _part(replica, target)
-    if part is not None:  # this replica's part of one device's sum, times n / k
-        flat = [None if g is None else _scaled(g, rules.share(replica, g.dtype)
-                                               * tf.cast(part, g.dtype)) for g in flat]
+    if part is None or args or kwargs.get("output_gradients") is not None:
+        flat = tf.nest.flatten(original(self, target, sources, *args, **kwargs))
+        if part is not None:  # the user's own output gradients: scaled after
+            flat = [None if g is None else _scaled(g, rules.share(replica, g.dtype)
+                                                   * tf.cast(part, g.dtype)) for g in flat]
+    else:  # this replica's part of one device's sum, times n / k, from the target down
+        flat = _from_part(replica, original, self, target, sources, part, **kwargs)
+    grads = tf.nest.pack_sequence_as(sources, flat)
     reduced = _reduced(replica, [g if v else None for g, v in zip(flat, variables)])
     replica.reduced.extend(g for g in reduced if g is not None)
     return tf.nest.pack_sequence_as(grads, [
         r if v else None if g is None else _weighed(replica, g)
         for g, r, v in zip(flat, reduced, variables)])
+
+
+def _from_part(replica, original, self, target, sources, part, **kwargs):
+    """The flat gradients of `target` whose output gradients are this replica's `part` of
+    one device's, times n / k: the factor enters at the target, so that a gradient that
+    crosses replicas (a gather's, `rules.weighted_sum`) is weighed as the target is."""
+    targets = tf.nest.flatten(target)
+    factors = [rules.share(replica, t.dtype) * tf.cast(part, t.dtype) for t in targets]
+    output = tf.nest.pack_sequence_as(target, [tf.ones_like(t) * f
+                                               for t, f in zip(targets, factors)])
+    flat = tf.nest.flatten(original(self, target, sources, output_gradients=output, **kwargs))
+    return [None if g is None else _scaled(g, tf.cast(factors[0] != 0, g.dtype))
+            for g in flat]
 
 
 def _part(replica, target):
