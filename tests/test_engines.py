@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import keras
 import numpy as np
@@ -1565,7 +1566,30 @@ def test_a_contrastive_loss_marked_mixes_rows_equals_one_device(gpus, reduce):
     2.13 on TensorFlow, 1.07 against 2.08 on torch). The gradient of their sum, or of the
     per-row values themselves, crosses replicas through the gather weighed as the sum is.
     26 rows in batches of 5 leave two replicas of the last batch without rows."""
-    _assert_same(*_own_step_runs(gpus, lambda: Contrastive(reduce), 0.1, Labelled(26, 5)))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "ops.matmul")  # marked, nothing warns
+        runs = _own_step_runs(gpus, lambda: Contrastive(reduce), 0.1, Labelled(26, 5))
+    _assert_same(*runs)
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="a traced step's dynamic dimensions tell "
+                    "the batch's rows; torch's eager processes are not asked (each product "
+                    "would take a vote), and JAX's step sees the whole batch")
+@pytest.mark.parametrize("model, kind", [(lambda: Unmarked("rows"), "pairs"),
+                                         (lambda: UnmarkedBarlow(), "sums over")])
+def test_an_unmarked_product_of_the_batchs_rows_warns(model, kind):
+    """Unmarked, SimCLR's similarities (rows by rows) and Barlow Twins' cross-correlation
+    (a sum over the rows) are each replica's own: `fit` says so, with the mark as the fix."""
+    with pytest.warns(UserWarning, match=f"ops.matmul {kind} the rows of the batch.*"
+                      "@keras_multigpu.mixes_rows"):
+        parallel = kmg.multi_gpu_model(model(), gpus=2)
+        parallel.compile(optimizer="sgd")
+        parallel.fit(Labelled(12, 6), epochs=1, verbose=0)
+
+
+class Unmarked(Contrastive):
+    def contrastive_loss(self, z1, z2):
+        return Contrastive.contrastive_loss.__wrapped__(self, z1, z2)
 
 
 class BarlowTwins(keras.Model):
@@ -1595,6 +1619,11 @@ class BarlowTwins(keras.Model):
         return (keras.ops.sum(keras.ops.square(diagonal - 1)) + 0.005 * (
             keras.ops.sum(keras.ops.square(correlation)) - keras.ops.sum(
                 keras.ops.square(diagonal))))
+
+
+class UnmarkedBarlow(BarlowTwins):
+    def compute_loss(self, *args, **kwargs):
+        return BarlowTwins.compute_loss.__wrapped__(self, *args, **kwargs)
 
 
 @pytest.mark.parametrize("gpus", [3])

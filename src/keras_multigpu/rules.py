@@ -46,7 +46,13 @@ from keras_multigpu.rules_metrics import (
     wrapped_update,
     wrapped_value,
 )
-from keras_multigpu.rules_mixing import _Marked, mixing_function, mixing_layer, mixing_layers
+from keras_multigpu.rules_mixing import (
+    _Marked,
+    mixing_function,
+    mixing_layer,
+    mixing_layers,
+    unmarked_product,
+)
 from keras_multigpu.rules_random import batch_draw, categorical, dropout, random_draw
 from keras_multigpu.rules_weights import (
     held,
@@ -310,6 +316,7 @@ def table(step, call, random_module, draws, logs=None):
         *((cls, "call", mixing_layer, step) for cls in mixing_layers()),
         (_Marked, "call", mixing_function, step),
         (backend.numpy, "tensordot", batch_contraction, step),
+        (backend.numpy, "matmul", unmarked_product, step),
         *rules_rows.table(step),
         (base_trainer.CompileLoss, "call", compiled_loss, step),
         *((cls, "call", one_value_loss, step) for cls in loss_classes()),

@@ -6,14 +6,17 @@ in `keras.ops` (see `rules`): each replica runs it on the batch gathered from ev
 import contextlib
 import functools
 import random
+import threading
+import warnings
 import weakref
 
 import keras
 
-from keras_multigpu.rules_gather import gather, gather_all, own_rows, rows_among
+from keras_multigpu.rules_gather import gather, gather_all, own_rows, rows_among, switched_on
 
 _MARKED = []  # the user's Layer classes marked with `mixes_rows`, in order
 _MARKED_LAYERS = weakref.WeakSet()  # the user's layers marked one by one (a Lambda)
+_GATHERED = threading.local()  # `on` while a layer or function runs on the gathered batch
 
 
 def mixes_rows(cls):
@@ -111,7 +114,8 @@ def mixing_function(replica, original, function, *args, **kwargs):
     k, start = replica.k, replica.start
     replica.k, replica.start = replica.n, 0  # its draws are one device's for the batch
     try:
-        result = original(function, *args, **kwargs)
+        with switched_on(_GATHERED):
+            result = original(function, *args, **kwargs)
     finally:
         replica.k, replica.start = k, start
 
@@ -124,6 +128,42 @@ def mixing_function(replica, original, function, *args, **kwargs):
         return own_rows(replica, x) if _batch_rows(replica, x) else x
 
     return keras.tree.map_structure(own, result)
+
+
+def unmarked_product(replica, original, x1, x2):
+    """Keras's `matmul` (`original`), as it is. Where a traced step multiplies two operands
+    of the batch's rows outside a layer or function that runs on the gathered batch, and
+    so computes over its replica's rows alone, it warns (as it is traced, so once per
+    trace; Python's filters show one of each kind): a (rows, d) by (d, rows)
+    product pairs the rows (a contrastive loss's similarities, SimCLR's and CLIP's), a
+    (d, rows) by (rows, e) one sums over them (Barlow Twins' cross-correlation). A traced
+    step's rows are its dynamic dimensions; eager replicas (torch) are not asked: that would
+    take a vote at each product, every Dense layer's included."""
+    if replica.traced and not getattr(_GATHERED, "on", False):
+        kind = _product_of_rows(x1, x2)
+        if kind:
+            warnings.warn(
+                f"ops.matmul {kind} the rows of the batch in a step, outside a layer or "
+                "function marked @keras_multigpu.mixes_rows: each replica computes it over "
+                "its own rows, not over the whole batch as one device does. If it must see "
+                "the whole batch (a contrastive loss, a correlation over the batch), mark "
+                "the function that computes it, or its layer, with "
+                "@keras_multigpu.mixes_rows.", UserWarning, stacklevel=2)
+    return original(x1, x2)
+
+
+def _product_of_rows(x1, x2):
+    """"pairs" or "sums over" where `matmul(x1, x2)` of two matrices multiplies the batch's
+    rows (their dynamic dimensions in a trace) with each other; else None."""
+    shapes = [getattr(x, "shape", None) for x in (x1, x2)]
+    if any(shape is None or len(shape) != 2 for shape in shapes):
+        return None
+    (a, b), (c, d) = (tuple(shape) for shape in shapes)
+    if a is None and d is None:
+        return "pairs"
+    if b is None and c is None:
+        return "sums over"
+    return None
 
 
 def _batch_rows(replica, x):
@@ -182,7 +222,7 @@ def mixing_layer(replica, original, layer, data, *args, **kwargs):
     batch = gather_all(replica, data, f"all-gather of the batch for {layer.name}")
     replica.k, replica.start = replica.n, 0  # the layer's draws are one device's for the batch
     try:
-        with _python_draws_alike(replica, layer):
+        with _python_draws_alike(replica, layer), switched_on(_GATHERED):
             mixed = original(layer, batch, *args, **kwargs)
     finally:
         replica.k, replica.start = k, start

@@ -74,7 +74,8 @@ _MISSING = object()
 # Optimizer.apply, LossScaleOptimizer.apply (TensorFlow; it calls _common_apply),
 # {MixUp, CutMix, RandomElasticTransform,
 # RandomGaussianBlur}.call, each Metric's result, each Loss's call but CompileLoss's,
-# backend.numpy.tensordot (a contraction over the batch axis), backend.nn.ctc_loss and
+# backend.numpy.tensordot (a contraction over the batch axis), backend.numpy.matmul (a
+# product of the batch's rows warns), backend.nn.ctc_loss and
 # backend.math.{fft, fft2, ifft2, rfft, irfft, stft, istft} (on a replica dealt no rows); on
 # TensorFlow, where its CPU convolutions misshape an empty batch,
 # backend.nn.{conv, depthwise_conv, separable_conv}, and everywhere backend.nn.max_pool
@@ -95,7 +96,7 @@ COMMON = {
                           "set_keras_mask",
                           "common.global_state.get_global_attribute",
                           "nn.conv", "nn.depthwise_conv", "nn.separable_conv", "nn.max_pool",
-                          "nn.ctc_loss", "numpy.tensordot", "math.fft", "math.fft2",
+                          "nn.ctc_loss", "numpy.tensordot", "numpy.matmul", "math.fft", "math.fft2",
                           "math.ifft2", "math.rfft", "math.irfft", "math.stft", "math.istft"),
     "keras.src.losses.loss": ("reduce_weighted_values", "reduce_values", "apply_mask",
                               "scale_loss_for_distribution", "unscale_loss_for_distribution",
