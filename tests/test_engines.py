@@ -1572,17 +1572,17 @@ def test_a_contrastive_loss_marked_mixes_rows_equals_one_device(gpus, reduce):
     _assert_same(*runs)
 
 
-@pytest.mark.skipif(BACKEND != "tensorflow", reason="a traced step's dynamic dimensions tell "
-                    "the batch's rows; torch's eager processes are not asked (each product "
-                    "would take a vote), and JAX's step sees the whole batch")
-@pytest.mark.parametrize("model, kind", [(lambda: Unmarked("rows"), "pairs"),
+@pytest.mark.skipif(BACKEND == "jax", reason="JAX's step sees the whole batch")
+@pytest.mark.parametrize("model, kind", [(lambda: Unmarked("mean"), "pairs"),
                                          (lambda: UnmarkedBarlow(), "sums over")])
-def test_an_unmarked_product_of_the_batchs_rows_warns(model, kind):
+@pytest.mark.parametrize("gpus", [2])
+def test_an_unmarked_product_of_the_batchs_rows_warns(gpus, model, kind):
     """Unmarked, SimCLR's similarities (rows by rows) and Barlow Twins' cross-correlation
-    (a sum over the rows) are each replica's own: `fit` says so, with the mark as the fix."""
+    (a sum over the rows) are each replica's own: `fit` says so, with the mark as the fix
+    (TensorFlow's trace by its dynamic dimensions, torch's processes by their rows)."""
     with pytest.warns(UserWarning, match=f"ops.matmul {kind} the rows of the batch.*"
                       "@keras_multigpu.mixes_rows"):
-        parallel = kmg.multi_gpu_model(model(), gpus=2)
+        parallel = kmg.multi_gpu_model(model(), gpus=gpus)
         parallel.compile(optimizer="sgd")
         parallel.fit(Labelled(12, 6), epochs=1, verbose=0)
 

@@ -131,16 +131,17 @@ def mixing_function(replica, original, function, *args, **kwargs):
 
 
 def unmarked_product(replica, original, x1, x2):
-    """Keras's `matmul` (`original`), as it is. Where a traced step multiplies two operands
-    of the batch's rows outside a layer or function that runs on the gathered batch, and
-    so computes over its replica's rows alone, it warns (as it is traced, so once per
-    trace; Python's filters show one of each kind): a (rows, d) by (d, rows)
-    product pairs the rows (a contrastive loss's similarities, SimCLR's and CLIP's), a
-    (d, rows) by (rows, e) one sums over them (Barlow Twins' cross-correlation). A traced
-    step's rows are its dynamic dimensions; eager replicas (torch) are not asked: that would
-    take a vote at each product, every Dense layer's included."""
-    if replica.traced and not getattr(_GATHERED, "on", False):
-        kind = _product_of_rows(x1, x2)
+    """Keras's `matmul` (`original`), as it is. Where a step multiplies two operands of the
+    batch's rows outside a layer or function that runs on the gathered batch, and so
+    computes over its replica's rows alone, it warns (Python's filters show one of each
+    kind): a (rows, d) by (d, rows) product pairs the rows (a contrastive loss's
+    similarities, SimCLR's and CLIP's), a (d, rows) by (rows, e) one sums over them
+    (Barlow Twins' cross-correlation). A traced step's rows are its dynamic dimensions,
+    asked once per trace. An eager replica's (torch) are its k rows, of two or more, in
+    operands that are not weights (`_weight`): a vote at each product, every Dense layer's
+    included, would cost too much, so an operand of k rows by chance warns too."""
+    if not getattr(_GATHERED, "on", False):
+        kind = _product_of_rows(x1, x2, None if replica.traced else int(replica.k))
         if kind:
             warnings.warn(
                 f"ops.matmul {kind} the rows of the batch in a step, outside a layer or "
@@ -152,18 +153,27 @@ def unmarked_product(replica, original, x1, x2):
     return original(x1, x2)
 
 
-def _product_of_rows(x1, x2):
+def _product_of_rows(x1, x2, rows):
     """"pairs" or "sums over" where `matmul(x1, x2)` of two matrices multiplies the batch's
-    rows (their dynamic dimensions in a trace) with each other; else None."""
+    rows with each other (`rows`: an eager replica's k, None for a trace's dynamic
+    dimensions); else None."""
     shapes = [getattr(x, "shape", None) for x in (x1, x2)]
-    if any(shape is None or len(shape) != 2 for shape in shapes):
+    if any(shape is None or len(shape) != 2 for shape in shapes) or any(
+            _weight(x) for x in (x1, x2)) or (rows is not None and rows < 2):
         return None
     (a, b), (c, d) = (tuple(shape) for shape in shapes)
-    if a is None and d is None:
+    if a == rows and d == rows:
         return "pairs"
-    if b is None and c is None:
+    if b == rows and c == rows:
         return "sums over"
     return None
+
+
+def _weight(x):
+    """Whether `x` is a weight: a Keras variable (Dense passes its kernel as one), or a
+    torch leaf that requires a gradient (a parameter)."""
+    return isinstance(x, keras.Variable) or (
+        getattr(x, "requires_grad", False) and getattr(x, "is_leaf", False))
 
 
 def _batch_rows(replica, x):
