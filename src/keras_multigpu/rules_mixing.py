@@ -7,6 +7,7 @@ import contextlib
 import functools
 import random
 import threading
+import types
 import warnings
 import weakref
 
@@ -70,7 +71,6 @@ def mixes_rows(cls):
         def marked(*args, **kwargs):
             return _Marked.call(cls, *args, **kwargs)
 
-        marked._keras_multigpu_mixes_rows = True
         return marked
     if not (isinstance(cls, type) and issubclass(cls, keras.layers.Layer)):
         raise TypeError(
@@ -84,8 +84,6 @@ def mixes_rows(cls):
 def _is_function(value):
     """Whether `value` is a plain function or method (`mixes_rows` marks it): not a class,
     not a layer, not any other callable object (an optimizer is one)."""
-    import types
-
     return isinstance(value, (types.FunctionType, types.MethodType, functools.partial))
 
 
