@@ -13,7 +13,14 @@ import weakref
 
 import keras
 
-from keras_multigpu.rules_gather import gather, gather_all, own_rows, rows_among, switched_on
+from keras_multigpu.rules_gather import (
+    gather,
+    gather_all,
+    own_rows,
+    rows_among,
+    rows_of,
+    switched_on,
+)
 
 _MARKED = []  # the user's Layer classes marked with `mixes_rows`, in order
 _MARKED_LAYERS = weakref.WeakSet()  # the user's layers marked one by one (a Lambda)
@@ -109,23 +116,30 @@ def mixing_function(replica, original, function, *args, **kwargs):
     batch = [gather(replica, x, what) if keras.ops.is_tensor(x) and next(rows) else x
              for x in leaves]
     args, kwargs = keras.tree.pack_sequence_as((args, kwargs), batch)
+    with _on_the_batch(replica):
+        result = original(function, *args, **kwargs)
+        flat = keras.tree.flatten(result)
+        batch_rows = [keras.ops.is_tensor(x) and rows_of(replica, x) for x in flat]
+
+    def own(x, of_the_batch):
+        if keras.ops.is_tensor(x) and len(x.shape) == 0:
+            replica.results.append(x)  # the batch's already
+        return own_rows(replica, x) if of_the_batch else x
+
+    return keras.tree.pack_sequence_as(result, [own(x, b) for x, b in zip(flat, batch_rows)])
+
+
+@contextlib.contextmanager
+def _on_the_batch(replica):
+    """`replica` as one device's for the duration (k = n rows from 0: its draws are one
+    device's for the batch), inside a layer or function that runs on the gathered batch."""
     k, start = replica.k, replica.start
-    replica.k, replica.start = replica.n, 0  # its draws are one device's for the batch
+    replica.k, replica.start = replica.n, 0
     try:
         with switched_on(_GATHERED):
-            result = original(function, *args, **kwargs)
+            yield
     finally:
         replica.k, replica.start = k, start
-
-    def own(x):
-        if not keras.ops.is_tensor(x):
-            return x
-        if len(x.shape) == 0:
-            replica.results.append(x)  # the batch's already
-            return x
-        return own_rows(replica, x) if _batch_rows(replica, x) else x
-
-    return keras.tree.map_structure(own, result)
 
 
 def unmarked_product(replica, original, x1, x2):
@@ -139,7 +153,7 @@ def unmarked_product(replica, original, x1, x2):
     operands that are not weights (`_weight`): a vote at each product, every Dense layer's
     included, would cost too much, so an operand of k rows by chance warns too."""
     if not getattr(_GATHERED, "on", False):
-        kind = _product_of_rows(x1, x2, None if replica.traced else int(replica.k))
+        kind = _product_of_rows(replica, x1, x2)
         if kind:
             warnings.warn(
                 f"ops.matmul {kind} the rows of the batch in a step, outside a layer or "
@@ -151,13 +165,15 @@ def unmarked_product(replica, original, x1, x2):
     return original(x1, x2)
 
 
-def _product_of_rows(x1, x2, rows):
+def _product_of_rows(replica, x1, x2):
     """"pairs" or "sums over" where `matmul(x1, x2)` of two matrices multiplies the batch's
-    rows with each other (`rows`: an eager replica's k, None for a trace's dynamic
-    dimensions); else None."""
+    rows with each other (a trace's dynamic dimensions, an eager replica's k); else None."""
     shapes = [getattr(x, "shape", None) for x in (x1, x2)]
     if any(shape is None or len(shape) != 2 for shape in shapes) or any(
-            _weight(x) for x in (x1, x2)) or (rows is not None and rows < 2):
+            _weight(x) for x in (x1, x2)):
+        return None
+    rows = None if replica.traced else int(replica.k)
+    if rows is not None and rows < 2:
         return None
     (a, b), (c, d) = (tuple(shape) for shape in shapes)
     if a == rows and d == rows:
@@ -172,15 +188,6 @@ def _weight(x):
     torch leaf that requires a gradient (a parameter)."""
     return isinstance(x, keras.Variable) or (
         getattr(x, "requires_grad", False) and getattr(x, "is_leaf", False))
-
-
-def _batch_rows(replica, x):
-    """Whether `x`'s first dimension may be the batch's n rows (a traced step's dynamic one;
-    the same answer on every replica: the results are computed from the gathered batch)."""
-    rows = keras.ops.shape(x)[0]
-    if replica.traced:
-        return not isinstance(rows, int)
-    return int(rows) == int(replica.n)
 
 
 def mixing_layers():
@@ -226,14 +233,9 @@ def mixing_layer(replica, original, layer, data, *args, **kwargs):
     """
     if not _mixes(layer):  # another layer of a class whose `call` a marked layer runs
         return original(layer, data, *args, **kwargs)
-    k, start = replica.k, replica.start
     batch = gather_all(replica, data, f"all-gather of the batch for {layer.name}")
-    replica.k, replica.start = replica.n, 0  # the layer's draws are one device's for the batch
-    try:
-        with _python_draws_alike(replica, layer), switched_on(_GATHERED):
-            mixed = original(layer, batch, *args, **kwargs)
-    finally:
-        replica.k, replica.start = k, start
+    with _on_the_batch(replica), _python_draws_alike(replica, layer):
+        mixed = original(layer, batch, *args, **kwargs)
     return keras.tree.map_structure(lambda x: own_rows(replica, x), mixed)
 
 

@@ -38,32 +38,31 @@ def tape_gradient(replica, original, self, target, sources, *args, **kwargs):
     if not variables or not all(v or rows_of(replica, s) for v, s in zip(variables, flat_sources)):
         return original(self, target, sources, *args, **kwargs)
     part = _part(replica, target)
-    if part is None or args or kwargs.get("output_gradients") is not None:
-        flat = tf.nest.flatten(original(self, target, sources, *args, **kwargs))
-        if part is not None:  # the user's own output gradients: scaled after
-            flat = [None if g is None else _scaled(g, rules.share(replica, g.dtype)
-                                                   * tf.cast(part, g.dtype)) for g in flat]
-    else:  # this replica's part of one device's sum, times n / k, from the target down
-        flat = _from_part(replica, original, self, target, sources, part, **kwargs)
-    grads = tf.nest.pack_sequence_as(sources, flat)
+    flat = tf.nest.flatten(
+        original(self, target, sources, *args, **kwargs) if part is None
+        else _from_part(replica, original, self, target, sources, part, *args, **kwargs))
     reduced = _reduced(replica, [g if v else None for g, v in zip(flat, variables)])
     replica.reduced.extend(g for g in reduced if g is not None)
-    return tf.nest.pack_sequence_as(grads, [
+    return tf.nest.pack_sequence_as(sources, [
         r if v else None if g is None else _weighed(replica, g)
         for g, r, v in zip(flat, reduced, variables)])
 
 
-def _from_part(replica, original, self, target, sources, part, **kwargs):
-    """The flat gradients of `target` whose output gradients are this replica's `part` of
-    one device's, times n / k: the factor enters at the target, so that a gradient that
-    crosses replicas (a gather's, `rules.weighted_sum`) is weighed as the target is."""
+def _from_part(replica, original, self, target, sources, part, *args, **kwargs):
+    """The gradients of `target` whose output gradients (the user's, else ones) are
+    multiplied by this replica's `part` of one device's, times n / k: the factor enters at
+    the target, so that a gradient that crosses replicas (a gather's, `rules.weighted_sum`)
+    is weighed as the target is. Where the factor is 0, so are they (`_scaled`)."""
+    given = args[0] if args else kwargs.pop("output_gradients", None)
     targets = tf.nest.flatten(target)
+    givens = [None] * len(targets) if given is None else tf.nest.flatten(given)
     factors = [rules.share(replica, t.dtype) * tf.cast(part, t.dtype) for t in targets]
-    output = tf.nest.pack_sequence_as(target, [tf.ones_like(t) * f
-                                               for t, f in zip(targets, factors)])
-    flat = tf.nest.flatten(original(self, target, sources, output_gradients=output, **kwargs))
+    output = tf.nest.pack_sequence_as(target, [
+        (tf.ones_like(t) if g is None else tf.cast(g, t.dtype)) * f
+        for t, g, f in zip(targets, givens, factors)])
+    grads = original(self, target, sources, output, *args[1:], **kwargs)
     return [None if g is None else _scaled(g, tf.cast(factors[0] != 0, g.dtype))
-            for g in flat]
+            for g in tf.nest.flatten(grads)]
 
 
 def _part(replica, target):
