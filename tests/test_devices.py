@@ -100,6 +100,18 @@ def test_more_than_available_on_this_process():
     assert "gpus=None" in str(info.value)
 
 
+def test_more_cpu_devices_than_there_are_says_how_to_have_them():
+    """A count over the CPU's devices names the variable and the launcher that give more;
+    a count over a machine's GPUs does not (no CPU split makes GPUs)."""
+    with pytest.raises(ValueError, match=r"gpus=3") as info:
+        select(3, [Device(0, "cpu", "host")])
+    assert "KERAS_MULTIGPU_CPU_DEVICES=3" in str(info.value)
+    assert "keras-multigpu launch -n 3" in str(info.value)
+    with pytest.raises(ValueError, match=r"gpus=5") as info:
+        select(5, FOUR)
+    assert "KERAS_MULTIGPU_CPU_DEVICES" not in str(info.value)
+
+
 def test_duplicated_ids_are_refused():
     with pytest.raises(ValueError, match=r"more than once") as info:
         select([1, 2, 1], FOUR)

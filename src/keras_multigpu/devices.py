@@ -154,6 +154,12 @@ def refuse_several_processes(engine):
         )
 
 
+# How to have more CPU devices, for a count that asks for more than the CPU offers.
+_CPU_HINT = (" To try {n} devices without a GPU, split the CPU before the backend starts: "
+             f"{CPU_DEVICES_ENV}={{n}} in the environment (JAX and TensorFlow), or run the "
+             "script under keras-multigpu launch -n {n} (torch, whose devices are processes).")
+
+
 def _as_int(value):
     """A NumPy integer (a count or an id read from an array) as an int; else `value`."""
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
@@ -196,7 +202,7 @@ def select(gpus, available):
         if gpus > len(available):
             raise ValueError(
                 f"gpus={gpus} but {what}. Pass gpus=None for all of them, "
-                "or a list of ids."
+                "or a list of ids." + (_CPU_HINT.format(n=gpus) if kind == "cpu" else "")
             )
         return list(available[: max(gpus, 1)])
     ids = [d.id if isinstance(d, Device) else _as_int(d) for d in gpus]
