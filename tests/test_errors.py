@@ -222,6 +222,17 @@ def test_fit_sample_weight_of_another_length(parallel, no_training):
         parallel.fit(x, y, sample_weight=np.ones(15), batch_size=4, verbose=0)
 
 
+@pytest.mark.parametrize("name", ["y", "sample_weight"])
+def test_a_python_list_of_numbers_says_to_make_it_an_array(parallel, no_training, name):
+    """A Python list of numbers is a list of inputs to Keras, each a number of no axis: the
+    error names it (it was an IndexError from counting the rows)."""
+    x, y = _data(16)
+    given = {"y": y, "sample_weight": None, name: [1.0] * 16}
+    with pytest.raises(ValueError, match=rf"{name} must be arrays .* np.asarray"):
+        parallel.fit(x, given["y"], sample_weight=given["sample_weight"], batch_size=4,
+                     verbose=0)
+
+
 def test_fit_empty_arrays(parallel, no_training):
     x, y = _data(16)
     with pytest.raises(ValueError, match=r"0 rows") as info:
