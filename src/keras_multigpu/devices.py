@@ -155,9 +155,10 @@ def refuse_several_processes(engine):
 
 
 # How to have more CPU devices, for a count that asks for more than the CPU offers.
-_CPU_HINT = (" To try {n} devices without a GPU, split the CPU before the backend starts: "
-             f"{CPU_DEVICES_ENV}={{n}} in the environment (JAX and TensorFlow), or run the "
-             "script under keras-multigpu launch -n {n} (torch, whose devices are processes).")
+_CPU_HINT = (" To try {n} devices without a GPU, start the script with "
+             f"{CPU_DEVICES_ENV}={{n}} in its environment: {{n}} virtual CPU devices on JAX "
+             "and TensorFlow, {n} processes on torch (or run it under keras-multigpu launch "
+             "-n {n}).")
 
 
 def _as_int(value):
