@@ -431,6 +431,22 @@ def test_x_of_another_feature_count_names_both_shapes(parallel):
     assert "\x1b" not in said and "Arguments received" not in said
 
 
+def test_validation_x_of_another_feature_count_is_refused_before_training(parallel):
+    """Validation data is fed after an epoch; its rows are checked against the model's
+    inputs before the first step, and the weights stay as they were."""
+    parallel = parallel.get() if isinstance(parallel, PerProcess) else parallel
+    x, y = _data(24)
+    before = [np.copy(w) for w in parallel.get_weights()]
+    with pytest.raises(ValueError) as raised:
+        parallel.fit(x, y, batch_size=6, epochs=1, verbose=0,
+                     validation_data=_data(12, features=5))
+    said = str(raised.value)
+    assert re.search(r"fit's validation_data: x does not fit .* each row of x has the shape "
+                     r"\(5,\), and the model's input takes rows of the shape \(6,\)", said), said
+    for was, now in zip(before, parallel.get_weights()):
+        np.testing.assert_array_equal(was, now)
+
+
 def test_y_of_another_width_names_both_shapes(parallel):
     """One line naming the rows' shapes, where the framework's error comes from inside the
     loss (JAX's "sub got incompatible shapes", torch's "The size of tensor a")."""

@@ -13,6 +13,7 @@ from keras_multigpu import backends, batching, inputs, interrupt
 from keras_multigpu._checks import (
     _check_fit_arguments,
     _check_names,
+    _check_rows,
     _check_targets,
     _split,
     _takes_text,
@@ -82,6 +83,7 @@ class Calls:
             if isinstance(validation_data, (tuple, list)):
                 val_x, val_y, _ = keras.utils.unpack_x_y_sample_weight(tuple(validation_data))
                 _check_targets(self.template, val_x, val_y, "fit's validation_data", "test_step")
+                _check_rows(self.template, val_x, "fit's validation_data")
             try:
                 validation_data, validation_dataset = self._padded(
                     *keras.utils.unpack_x_y_sample_weight(validation_data),

@@ -223,6 +223,22 @@ def check_callbacks(callbacks):
     return listed
 
 
+def _check_rows(template, x, method):
+    """Arrays whose rows cannot fit the model's declared inputs (an axis of another size, at
+    the input's rank) are refused before training: validation data is fed only after an
+    epoch, where Keras's own error would come."""
+    inputs = tree.flatten(getattr(template, "inputs", None) or [])
+    found = (_rows(x, inputs, [i.name for i in inputs])
+             if inputs and batching._is_array_like(x) else None)
+    if found is not None and any(len(r) == len(t) and any(
+            a is not None and b is not None and a != b for a, b in zip(r, t))
+            for r, t in zip(*found[:2])):
+        raise ValueError(
+            f"{method}: x does not fit {type(template).__name__} {template.name!r}: each row "
+            f"of x has the shape {_one(found[0])}, and the model's input takes rows of the "
+            f"shape {_one(found[1])}. Pass x whose rows have the shape the model takes.")
+
+
 def _check_targets(template, x, y, method, step):
     """Array inputs without targets, for a compiled loss that needs them, are refused early.
 
