@@ -76,6 +76,18 @@ def _rows(data, tensors, names):
     return rows, takes, [not fits(r, t) for r, t in zip(rows, takes)]
 
 
+def _input_rows(template, x):
+    """`_rows` of `x` against the model's declared inputs, or None (none declared)."""
+    inputs = tree.flatten(getattr(template, "inputs", None) or [])
+    return _rows(x, inputs, [i.name for i in inputs]) if inputs else None
+
+
+def _does_not_fit(template, rows, takes):
+    return (f"x does not fit {type(template).__name__} {template.name!r}: each row of x has "
+            f"the shape {_one(rows)}, and the model's input takes rows of the shape "
+            f"{_one(takes)}.")
+
+
 def _input_mismatch(template, data_batch, error):
     """One line where the batch's arrays do not fit the model's inputs (Keras's own error,
     `error`, wraps it in the model's call: ANSI codes and an "Arguments received" block),
@@ -83,18 +95,15 @@ def _input_mismatch(template, data_batch, error):
     or whose inputs x fits: a layer inside the model is what is wrong)."""
     said = next((line for line in str(error).splitlines() if "is incompatible with" in line),
                 None)
-    inputs = tree.flatten(getattr(template, "inputs", None) or [])
     x = data_batch[0] if isinstance(data_batch, (tuple, list)) else data_batch
-    found = _rows(x, inputs, [i.name for i in inputs]) if said and inputs else None
+    found = _input_rows(template, x) if said else None
     if found is None or not any(found[2]):
         return None
     rows, takes, _ = found
     said = _plain(said)
     return ValueError(
-        f"x does not fit {type(template).__name__} {template.name!r}: each row of x has "
-        f"the shape {_one(rows)}, and the model's input takes rows of the shape "
-        f"{_one(takes)}. Keras said: {said.rstrip('.')}. Pass x whose rows have the shape "
-        "the model takes, or build the model for x's.")
+        f"{_does_not_fit(template, rows, takes)} Keras said: {said.rstrip('.')}. Pass x "
+        "whose rows have the shape the model takes, or build the model for x's.")
 
 
 def _target_mismatch(template, data_batch, error):
@@ -227,16 +236,10 @@ def _check_rows(template, x, method):
     """Arrays whose rows cannot fit the model's declared inputs (an axis of another size, at
     the input's rank) are refused before training: validation data is fed only after an
     epoch, where Keras's own error would come."""
-    inputs = tree.flatten(getattr(template, "inputs", None) or [])
-    found = (_rows(x, inputs, [i.name for i in inputs])
-             if inputs and batching._is_array_like(x) else None)
-    if found is not None and any(len(r) == len(t) and any(
-            a is not None and b is not None and a != b for a, b in zip(r, t))
-            for r, t in zip(*found[:2])):
-        raise ValueError(
-            f"{method}: x does not fit {type(template).__name__} {template.name!r}: each row "
-            f"of x has the shape {_one(found[0])}, and the model's input takes rows of the "
-            f"shape {_one(found[1])}. Pass x whose rows have the shape the model takes.")
+    found = _input_rows(template, x) if batching._is_array_like(x) else None
+    if found is not None and any(differs and len(r) == len(t) for r, t, differs in zip(*found)):
+        raise ValueError(f"{method}: {_does_not_fit(template, *found[:2])} Pass x whose rows "
+                         "have the shape the model takes.")
 
 
 def _check_targets(template, x, y, method, step):

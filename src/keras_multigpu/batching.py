@@ -106,7 +106,8 @@ def pad_indices(rows, replicas):
 
 def _num_rows(structure, what):
     leaves = [leaf for leaf in tree.flatten(structure) if leaf is not None]
-    scalar = next((leaf for leaf in leaves if not np.shape(leaf)), None)
+    shapes = [np.shape(leaf) for leaf in leaves]
+    scalar = next((leaf for leaf, shape in zip(leaves, shapes) if not shape), None)
     if scalar is not None:
         # A Python list of numbers reads as a list of inputs, one number each (Keras's
         # structures): no array of samples is in it.
@@ -115,7 +116,7 @@ def _num_rows(structure, what):
             f"axis ({type(scalar).__name__} {scalar!r}). A Python list is a list of arrays, "
             f"one per model input or output: pass a list of numbers as np.asarray(...). "
             f"Received: {what} of type {type(structure).__name__}.")
-    lengths = {int(np.shape(leaf)[0]) for leaf in leaves}
+    lengths = {int(shape[0]) for shape in shapes}
     if not lengths:
         raise ValueError(f"{what} holds no arrays. Received: {what}={structure!r}.")
     if len(lengths) > 1:
