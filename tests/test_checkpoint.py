@@ -26,8 +26,8 @@ from keras_multigpu.callbacks import Checkpoint, CheckpointError
 pytestmark = pytest.mark.slow  # several processes or whole runs: not in the fast loop
 
 # argv: checkpoint folder, output file, then "die" (os._exit in the middle of epoch 2),
-# "ctrl-c" (a SIGINT there) or nothing. Dropout, BatchNorm, shuffling, a decaying learning
-# rate and Adam: every piece of state a resume must restore.
+# "ctrl-c" (a SIGINT there), "sigterm" (a SIGTERM there) or nothing. Dropout, BatchNorm,
+# shuffling, a decaying learning rate and Adam: every piece of state a resume must restore.
 PROGRAM = """
 import json, os, signal, sys
 import keras, numpy as np
@@ -61,8 +61,8 @@ class Fault(keras.callbacks.Callback):
         if self.epoch == 1 and batch == 2 and os.environ.get("RANK", "0") == "0":
             if fault == "die":
                 os._exit(17)
-            if fault == "ctrl-c":
-                os.kill(os.getpid(), signal.SIGINT)
+            if fault in ("ctrl-c", "sigterm"):
+                os.kill(os.getpid(), signal.SIGINT if fault == "ctrl-c" else signal.SIGTERM)
 
 
 every = None if fault == "die-at-epoch-end" else 2  # (Keras's default: epoch ends only)
@@ -136,8 +136,9 @@ def _stopped_and_resumed(tmp_path, backend, fault):
         assert sorted(os.listdir(tmp_path / "ckpt")) == ["ckpt-000000004", "ckpt-000000008"]
     else:
         assert stopped.returncode != 0
-        assert "Stopped by Ctrl-C at a step boundary" in stopped.stderr, stopped.stderr[-3000:]
-        # the Ctrl-C's checkpoint, at the step boundary after it (epoch 2, 3 steps done)
+        name = {"ctrl-c": "Ctrl-C", "sigterm": "SIGTERM"}[fault]
+        assert f"Stopped by {name} at a step boundary" in stopped.stderr, stopped.stderr[-3000:]
+        # the signal's checkpoint, at the step boundary after it (epoch 2, 3 steps done)
         assert sorted(os.listdir(tmp_path / "ckpt"))[-1] == "ckpt-000000007"
     assert not (tmp_path / "stopped.npz").exists()
 
@@ -164,10 +165,12 @@ def test_a_run_killed_after_an_epoch_resumes_to_the_uninterrupted_weights(
     _check_resumed(tmp_path, _whole(tmp_path_factory, backend), resumed, done=2)
 
 
-def test_a_ctrl_c_checkpoints_at_the_step_boundary_and_resumes_exactly(
-        tmp_path, tmp_path_factory):
-    """A real SIGINT through the interrupt handler (the engine-independent path: JAX)."""
-    resumed = _stopped_and_resumed(tmp_path, "jax", "ctrl-c")
+@pytest.mark.parametrize("fault", ["ctrl-c", "sigterm"])
+def test_a_ctrl_c_or_a_sigterm_checkpoints_at_the_step_boundary_and_resumes_exactly(
+        tmp_path, tmp_path_factory, fault):
+    """A real SIGINT, or the SIGTERM of a scheduler taking the machine back, through the
+    interrupt handler (the engine-independent path: JAX)."""
+    resumed = _stopped_and_resumed(tmp_path, "jax", fault)
     _check_resumed(tmp_path, _whole(tmp_path_factory, "jax"), resumed)
 
 

@@ -1,4 +1,5 @@
-"""Faults, each real: a SIGINT sent to a training process, a CPU hog beside a 2-device fit."""
+"""Faults, each real: a SIGINT or SIGTERM sent to a training process, a CPU hog beside a
+2-device fit."""
 
 import json
 import os
@@ -84,19 +85,22 @@ def _wait_for(path, process, timeout=120):
         time.sleep(0.1)
 
 
-def test_first_ctrl_c_stops_at_a_step_boundary_and_keeps_the_files(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_first_ctrl_c_stops_at_a_step_boundary_and_keeps_the_files(tmp_path, signum):
+    """Ctrl-C, or the SIGTERM a scheduler sends before it takes the machine back."""
     process = _start(tmp_path)
     _wait_for(tmp_path / "epoch-1", process)
     time.sleep(0.3)  # mid-epoch
-    process.send_signal(signal.SIGINT)
+    process.send_signal(signum)
     try:
         out, err = process.communicate(timeout=60)
     except subprocess.TimeoutExpired:
         process.kill()
-        pytest.fail("a Ctrl-C did not stop fit within 60 s")
+        pytest.fail(f"a {signum.name} did not stop fit within 60 s")
     assert process.returncode == 3, err[-3000:]
     assert "INTERRUPTED Interrupted ended" in out
-    assert "stopping after the current step" in err
+    name = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+    assert f"{name}: stopping after the current step" in err, err[-3000:]
     # The checkpoint of the last completed epoch is whole, and the backup is kept so that the
     # next fit resumes (BackupAndRestore deletes it only when training finishes).
     check = subprocess.run(

@@ -169,8 +169,10 @@ def test_a_killed_process_restarts_the_group_which_resumes_exactly(tmp_path, ref
         _assert_equal_runs(tmp_path, rank, reference)
 
 
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_ctrl_c_checkpoints_every_rank_at_one_step_and_the_next_start_resumes(
-        tmp_path, reference):
+        tmp_path, reference, signum):
+    """Ctrl-C, or a scheduler's SIGTERM, to the launcher, which forwards it to every rank."""
     script = _script(tmp_path, "train.py", TRAIN)
     launcher = subprocess.Popen([*LAUNCH, "-n", "2", script, str(tmp_path), "slow"],
                                 cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
@@ -178,11 +180,13 @@ def test_ctrl_c_checkpoints_every_rank_at_one_step_and_the_next_start_resumes(
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     for line in launcher.stdout:
         if line.startswith("[rank 0] at 1 1"):  # epoch 2, its second step done
-            launcher.send_signal(signal.SIGINT)
+            launcher.send_signal(signum)
             break
     out, err = launcher.communicate(timeout=120)
-    assert launcher.returncode == 130, err[-3000:]
-    assert "Stopped by Ctrl-C at a step boundary" in err
+    assert launcher.returncode == 128 + signum, err[-3000:]  # as a shell reports the signal
+    name = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+    assert f"Stopped by {name} at a step boundary" in err, err[-3000:]
+    assert f"stopped by {signum.name}" in err
     saved = sorted(os.listdir(tmp_path / "ckpt"))
     state = json.loads((tmp_path / "ckpt" / saved[-1] / "state.json").read_text())
     assert state["epoch"] == 1 and state["step"] >= 2  # the boundary after the Ctrl-C

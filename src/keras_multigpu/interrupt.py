@@ -1,4 +1,4 @@
-"""Ctrl-C during `fit`, `evaluate` and `predict`: stop at a step boundary, or at once.
+"""Ctrl-C or SIGTERM during `fit`, `evaluate` and `predict`: stop at a step boundary, or at once.
 
 Python raises `KeyboardInterrupt` wherever the main thread happens to be when
 the signal lands: inside a device wait, inside a half-written file, or inside
@@ -8,6 +8,12 @@ stop: the next step boundary raises `Interrupted` (a `KeyboardInterrupt`) from
 the loop itself, after the step in flight and its callbacks have finished,
 so no save is cut short. A second Ctrl-C ends the process at once, with
 SIGINT's own exit status, whatever the main thread is doing.
+
+SIGTERM, which a scheduler sends before it takes a machine back (SLURM's preemption and
+`scancel`, Kubernetes's eviction, `kill`), does the same: the first stops at the next step
+boundary (where `Checkpoint` saves), a second signal ends the process at once. Without
+this, SIGTERM ends a Python process at once, and the steps since the last save are lost.
+A handler of the script's own for SIGTERM (or SIGTERM ignored) is left as it is.
 """
 
 import contextlib
@@ -19,11 +25,15 @@ import keras
 
 
 class Interrupted(KeyboardInterrupt):
-    """Raised at the step boundary after a Ctrl-C (a `KeyboardInterrupt`)."""
+    """Raised at the step boundary after a Ctrl-C or SIGTERM (a `KeyboardInterrupt`)."""
+
+
+_NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
 
 
 class _State:
     requested = False
+    signal = None  # the signal that asked for the stop
     depth = 0
     # Processes that train together must stop at the same step: an engine with
     # several processes sets this to a function that tells whether any of them
@@ -57,26 +67,30 @@ def agreed(stop):
 
 
 def _handler(signum, frame):
-    if _STATE.requested:  # the second Ctrl-C: exit now, as an unhandled SIGINT does
-        sys.stderr.write("\nSecond Ctrl-C: exiting now.\n")
+    name = _NAMES[signum]
+    if _STATE.requested:  # the second signal: exit now, as an unhandled one does
+        sys.stderr.write(f"\nSecond {name}: exiting now.\n")
         sys.stderr.flush()
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        signal.raise_signal(signal.SIGINT)
+        signal.signal(signum, signal.SIG_DFL)
+        signal.raise_signal(signum)
         return
-    _STATE.requested = True
-    sys.stderr.write(
-        "\nCtrl-C: stopping after the current step (press Ctrl-C again to exit at once).\n"
-    )
+    _STATE.requested, _STATE.signal = True, signum
+    again = "press Ctrl-C" if signum == signal.SIGINT else "send it"
+    sys.stderr.write(f"\n{name}: stopping after the current step ({again} again to exit at "
+                     "once).\n")
     sys.stderr.flush()
 
 
 @contextlib.contextmanager
 def deferred():
-    """Defers SIGINT to the next step boundary while the block runs.
+    """Defers SIGINT, and SIGTERM at its default, to the next step boundary while the
+    block runs.
 
     Nests (a validation `evaluate` inside `fit` shares the outer handler).
     Outside the main thread, where no signal handler can be set, it does
-    nothing and Ctrl-C behaves as Python's default.
+    nothing and both signals behave as Python's default. SIGINT ignored (a
+    background job) or handled outside Python is left alone, and so is a SIGTERM
+    that is not at its default.
     """
     if _STATE.depth or threading.current_thread() is not threading.main_thread():
         _STATE.depth += 1
@@ -85,22 +99,25 @@ def deferred():
         finally:
             _STATE.depth -= 1
         return
-    previous = signal.getsignal(signal.SIGINT)
-    if previous in (signal.SIG_IGN, None):
-        yield  # SIGINT is ignored (a background job) or handled outside Python
-        return
-    _STATE.requested, _STATE.depth = False, 1
-    signal.signal(signal.SIGINT, _handler)
+    previous = {signum: signal.getsignal(signum) for signum in _NAMES}
+    taken = [signal.SIGINT] if previous[signal.SIGINT] not in (signal.SIG_IGN, None) else []
+    if previous[signal.SIGTERM] == signal.SIG_DFL:
+        taken.append(signal.SIGTERM)
+    _STATE.requested, _STATE.signal, _STATE.depth = False, None, 1
+    for signum in taken:
+        signal.signal(signum, _handler)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for signum in taken:
+            signal.signal(signum, previous[signum])
         _STATE.depth = 0
-        _STATE.requested = False
+        _STATE.requested, _STATE.signal = False, None
 
 
 class StopOnInterrupt(keras.callbacks.Callback):
-    """Raises `Interrupted` at the first boundary after a Ctrl-C.
+    """Raises `Interrupted` at the first boundary after a Ctrl-C or SIGTERM (in any of the
+    processes that train together).
 
     Checked before each step (and each epoch), in the thread that runs the
     loop, so the exception leaves Keras's loop through its own `finally`,
@@ -114,7 +131,10 @@ class StopOnInterrupt(keras.callbacks.Callback):
         if stop is None:
             stop = _STATE.agree(_STATE.requested)
         if bool(stop):
-            raise Interrupted("Stopped by Ctrl-C at a step boundary.")
+            if _STATE.signal is None:
+                raise Interrupted("Stopped at a step boundary: another process was asked to "
+                                  "stop (Ctrl-C or SIGTERM).")
+            raise Interrupted(f"Stopped by {_NAMES[_STATE.signal]} at a step boundary.")
 
     on_epoch_begin = on_train_batch_begin = on_test_batch_begin = _check
     on_predict_batch_begin = _check

@@ -12,8 +12,8 @@ launcher:
   `--master-port`; under SLURM, those come from its variables);
 - prefixes every line a process prints with its rank (`quiet_ranks`: only
   rank 0's lines are shown; the others' are kept for error reports);
-- forwards Ctrl-C (SIGINT) and SIGTERM to every process; a second Ctrl-C
-  kills them;
+- forwards Ctrl-C (SIGINT) and SIGTERM to every process, which stop together after the
+  same step (`interrupt`); a second signal kills them;
 - when a process fails, stops the others (SIGTERM, then SIGKILL after
   `grace` seconds) and exits non-zero, naming the rank and its last lines;
   with `max_restarts`, starts the group again instead, up to that many
@@ -204,7 +204,7 @@ def launch(nproc, command, *, address="127.0.0.1", port=None, quiet_ranks=False,
     Returns:
         The exit status: 0 when every process succeeded; the failed
         process's status (128 + the signal when killed) after a failure (the
-        last one, after the restarts); 130 after a Ctrl-C.
+        last one, after the restarts); 130 after a Ctrl-C, 143 after a SIGTERM.
     """
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
@@ -337,7 +337,7 @@ def _run_group(nproc, command, address, port, quiet_ranks, timeout, grace, base_
         with lock:
             err.write(f"keras-multigpu launch: stopped by {signal.Signals(interrupted[0]).name}; "
                       f"{len(ranks)} process(es) ended.\n")
-        return 130, True
+        return 128 + interrupted[0], True  # as a shell reports the signal: 130, 143
     if failed is None:
         return 0, False
     code = failed.process.returncode

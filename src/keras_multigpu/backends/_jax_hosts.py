@@ -253,8 +253,8 @@ def _join():
     coordinator = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
     if "JAX_ENABLE_PREEMPTION_SERVICE" not in os.environ:
         # JAX's preemption service catches SIGTERM (to checkpoint at a sync point, which
-        # Keras never reaches): the launcher's SIGTERM must end the process, as it ends a
-        # process on one host.
+        # Keras never reaches): the launcher's SIGTERM must reach Python, as on one host
+        # (interrupt.py: a stop at the next step boundary, where the processes agree).
         jax.config.update("jax_enable_preemption_service", False)
     try:
         jax.distributed.initialize(
