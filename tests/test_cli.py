@@ -269,9 +269,13 @@ def test_ctrl_c_exits_130_naming_what_was_kept(tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.slow  # a whole run's start: 13 s when first
-def test_ctrl_c_in_the_first_epoch_leaves_no_folder(tmp_path, capsys, monkeypatch):
-    _fail_in_epoch(monkeypatch, 1, interrupt.Interrupted("Stopped by Ctrl-C"))
-    assert _train(tmp_path / "run", "--gpus", "1") == 130
+@pytest.mark.parametrize(("signum", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)],
+                         ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_in_the_first_epoch_leaves_no_folder(tmp_path, capsys, monkeypatch, signum,
+                                                    status):
+    """Exits as a shell reports the signal: 130 after Ctrl-C, 143 after SIGTERM."""
+    _fail_in_epoch(monkeypatch, 1, interrupt.Interrupted("Stopped", signum))
+    assert _train(tmp_path / "run", "--gpus", "1") == status
     assert capsys.readouterr().err == (
         "keras-multigpu train: interrupted; nothing was saved: the first epoch had not ended\n"
     )

@@ -347,7 +347,8 @@ def main(argv=None):
         return args.func(args)
     except KeyboardInterrupt as error:
         _report(args.command, "interrupted", error)
-        return EXIT_INTERRUPTED
+        signum = getattr(error, "signum", None)  # 143 after SIGTERM, as a shell reports it
+        return EXIT_INTERRUPTED if signum is None else 128 + signum
     except (UsageError, OSError, ValueError, TypeError) as error:
         _report(args.command, f"error: {error}", error)
         return EXIT_USAGE

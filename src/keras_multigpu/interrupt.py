@@ -25,7 +25,14 @@ import keras
 
 
 class Interrupted(KeyboardInterrupt):
-    """Raised at the step boundary after a Ctrl-C or SIGTERM (a `KeyboardInterrupt`)."""
+    """Raised at the step boundary after a Ctrl-C or SIGTERM (a `KeyboardInterrupt`).
+
+    `signum` is the signal this process received (`signal.SIGINT` or `signal.SIGTERM`),
+    or None where another process asked for the stop."""
+
+    def __init__(self, message, signum=None):
+        super().__init__(message)
+        self.signum = signum
 
 
 _NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
@@ -134,7 +141,8 @@ class StopOnInterrupt(keras.callbacks.Callback):
             if _STATE.signal is None:
                 raise Interrupted("Stopped at a step boundary: another process was asked to "
                                   "stop (Ctrl-C or SIGTERM).")
-            raise Interrupted(f"Stopped by {_NAMES[_STATE.signal]} at a step boundary.")
+            raise Interrupted(f"Stopped by {_NAMES[_STATE.signal]} at a step boundary.",
+                              _STATE.signal)
 
     on_epoch_begin = on_train_batch_begin = on_test_batch_begin = _check
     on_predict_batch_begin = _check
