@@ -2,6 +2,7 @@
 engine; on torch each test runs in TORCH_WORLD processes, each wrapping its own model."""
 
 import re
+import signal
 import zipfile
 
 import keras
@@ -10,6 +11,7 @@ import pytest
 
 import keras_multigpu as kmg
 from conftest import TORCH_WORLD, PerProcess, engine_gpus, per_process, stateful_model
+from keras_multigpu import interrupt
 
 pytestmark = pytest.mark.ranks(TORCH_WORLD)
 
@@ -689,6 +691,41 @@ def test_a_step_that_fails_leaves_the_model_as_it_was(parallel, call):
     for before, after in zip(weights, _weights(parallel), strict=True):
         np.testing.assert_array_equal(after, before)
     assert int(parallel.optimizer.iterations.value) == steps
+    assert parallel.predict(x, batch_size=5, verbose=0).shape == (20, 3)
+    parallel.fit(x, y, batch_size=5, epochs=1, verbose=0)
+    assert int(parallel.optimizer.iterations.value) == steps + 4
+
+
+class _StopsAfterTwoBatches(keras.callbacks.Callback):
+    def __init__(self, error):
+        super().__init__()
+        self.error = error
+
+    def on_test_batch_end(self, batch, logs=None):
+        if batch == 1:
+            raise self.error
+
+    on_predict_batch_end = on_test_batch_end
+
+
+@pytest.mark.parametrize("call", ["evaluate", "predict"])
+@pytest.mark.parametrize("stop", ["sigterm", "callback"])
+def test_a_call_stopped_between_steps_leaves_the_model_as_it_was(parallel, call, stop):
+    """Keras's JAX `evaluate` and `predict` take the variables' values out of them for their
+    loop, and put them back when it ends, but not when it raises between two steps: a Ctrl-C
+    or SIGTERM at the step boundary (`Interrupted`, as `StopOnInterrupt` raises it), or a
+    callback that fails. Every variable was left empty, and each later call failed with
+    "'NoneType' object is not callable"."""
+    x, y = _data(20)
+    parallel.fit(x, y, batch_size=5, epochs=1, verbose=0)
+    weights, steps = _weights(parallel), int(parallel.optimizer.iterations.value)
+    error = (interrupt.Interrupted("Stopped by SIGTERM at a step boundary.", signal.SIGTERM)
+             if stop == "sigterm" else RuntimeError("a callback failed"))
+    with pytest.raises(type(error)):
+        getattr(parallel, call)(*((x,) if call == "predict" else (x, y)), batch_size=5,
+                                verbose=0, callbacks=[_StopsAfterTwoBatches(error)])
+    for before, after in zip(weights, _weights(parallel), strict=True):
+        np.testing.assert_array_equal(after, before)
     assert parallel.predict(x, batch_size=5, verbose=0).shape == (20, 3)
     parallel.fit(x, y, batch_size=5, epochs=1, verbose=0)
     assert int(parallel.optimizer.iterations.value) == steps + 4

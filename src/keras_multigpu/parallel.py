@@ -203,6 +203,8 @@ class ParallelModel(Calls, TemplateFace, keras.Model):
                 yield
         except BaseException:
             failed = True
+            if backends.has(self._backend, "kept"):  # a call that raised between steps
+                self._backend.put_back(self)
             raise
         finally:
             self._active -= 1

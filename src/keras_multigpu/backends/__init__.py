@@ -73,8 +73,11 @@ would (the `check` test in tests/test_backends.py holds every engine to this):
   be timed).
 - "kept": `kept(function, model)`, one of Keras's compiled steps for `model`
   that puts the state it was given back into the model's variables when it
-  raises (JAX: Keras's trainer takes them out for a call's loop, and left
-  them empty after a failed step); elsewhere the variables hold the state.
+  raises, and `put_back(model)`, which puts the state the last step left back
+  after a call raised between steps (JAX: Keras's trainer takes them out for a
+  call's loop, and left them empty after a failed step, or an interruption or a
+  failed callback in `evaluate` or `predict`); elsewhere the variables hold the
+  state.
 - "generator": `random_state()`, `set_random_state(state)`, the framework's
   own global generator, which Keras's adapters draw orders from (torch's), as
   plain data; elsewhere they draw from Python's and NumPy's (or tf.data's op
@@ -137,7 +140,7 @@ CAPABILITY_NAMES = {
     "shard": ("shard",),
     "free_memory": ("free_memory",),
     "watch": ("watch",),
-    "kept": ("kept",),
+    "kept": ("kept", "put_back"),
     "generator": ("random_state", "set_random_state"),
     "to_backend": ("to_backend",),
     "batch_spec": ("batch_spec",),

@@ -1,5 +1,6 @@
 """Keras's compiled JAX steps, wrapped: the watchdog (a step stuck in a collective ends the
-process with a message), and the model's state kept when a step raises (`kept`)."""
+process with a message), and the model's state kept when a step raises (`kept`) or a call
+raises between steps (`put_back`)."""
 
 import atexit
 import collections
@@ -151,6 +152,19 @@ def kept(function, model):
 
     step._keras_multigpu_kept = True
     return step
+
+
+def put_back(model):
+    """After one of Keras's calls on `model` raised between two steps (a Ctrl-C or SIGTERM
+    at a step boundary, a callback that failed), puts the state its last step left back into
+    the model's variables.
+
+    Keras's JAX `evaluate` and `predict` put it back as their loop ends, but not when it
+    raises (`fit` does, in a `finally`): the model was left with empty variables. Where the
+    state is back already, this does nothing; where its arrays went to a step that then
+    failed (donated), there is none to put back, and the call's own error stands."""
+    with contextlib.suppress(RuntimeError):  # JAX's "Array has been deleted"
+        model.jax_state_sync()
 
 
 def _restore(model, state):

@@ -44,7 +44,7 @@ from jax._src import xla_bridge
 from keras_multigpu import _xla, processes, rules
 from keras_multigpu._keras.jax import distribution_lib as keras_jax_distribution
 from keras_multigpu.backends._jax_hosts import _join, _world
-from keras_multigpu.backends._jax_watchdog import kept, watch  # noqa: F401 (the seam's names)
+from keras_multigpu.backends._jax_watchdog import kept, put_back, watch  # noqa: F401 (seam)
 from keras_multigpu.backends._marker import tag, untag  # noqa: F401 (the seam's names)
 from keras_multigpu.devices import Device
 
