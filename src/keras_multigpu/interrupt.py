@@ -39,8 +39,7 @@ _NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
 
 
 class _State:
-    requested = False
-    signal = None  # the signal that asked for the stop
+    signal = None  # the signal that asked this call to stop (None: none came)
     depth = 0
     # Processes that train together must stop at the same step: an engine with
     # several processes sets this to a function that tells whether any of them
@@ -61,8 +60,8 @@ def set_agreement(agree):
 
 
 def requested():
-    """Whether this process was asked to stop (a Ctrl-C not yet acted on)."""
-    return _STATE.requested
+    """Whether this process was asked to stop during this call (a Ctrl-C or SIGTERM)."""
+    return _STATE.signal is not None
 
 
 def agreed(stop):
@@ -75,13 +74,13 @@ def agreed(stop):
 
 def _handler(signum, frame):
     name = _NAMES[signum]
-    if _STATE.requested:  # the second signal: exit now, as an unhandled one does
+    if _STATE.signal is not None:  # the second signal: exit now, as an unhandled one does
         sys.stderr.write(f"\nSecond {name}: exiting now.\n")
         sys.stderr.flush()
         signal.signal(signum, signal.SIG_DFL)
         signal.raise_signal(signum)
         return
-    _STATE.requested, _STATE.signal = True, signum
+    _STATE.signal = signum
     again = "press Ctrl-C" if signum == signal.SIGINT else "send it"
     sys.stderr.write(f"\n{name}: stopping after the current step ({again} again to exit at "
                      "once).\n")
@@ -110,7 +109,7 @@ def deferred():
     taken = [signal.SIGINT] if previous[signal.SIGINT] not in (signal.SIG_IGN, None) else []
     if previous[signal.SIGTERM] == signal.SIG_DFL:
         taken.append(signal.SIGTERM)
-    _STATE.requested, _STATE.signal, _STATE.depth = False, None, 1
+    _STATE.signal, _STATE.depth = None, 1
     for signum in taken:
         signal.signal(signum, _handler)
     try:
@@ -119,7 +118,7 @@ def deferred():
         for signum in taken:
             signal.signal(signum, previous[signum])
         _STATE.depth = 0
-        _STATE.requested, _STATE.signal = False, None
+        _STATE.signal = None
 
 
 class StopOnInterrupt(keras.callbacks.Callback):
@@ -136,7 +135,7 @@ class StopOnInterrupt(keras.callbacks.Callback):
     def _check(self, *args, **kwargs):
         stop, _STATE.agreed = _STATE.agreed, None
         if stop is None:
-            stop = _STATE.agree(_STATE.requested)
+            stop = _STATE.agree(requested())
         if bool(stop):
             if _STATE.signal is None:
                 raise Interrupted("Stopped at a step boundary: another process was asked to "
