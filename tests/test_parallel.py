@@ -1,6 +1,9 @@
 """N devices give one device's results: weights, logs, evaluate and predict, on every
 engine (on torch, each test runs in TORCH_WORLD processes; see conftest)."""
 
+import gc
+import weakref
+
 import keras
 import numpy as np
 import pytest
@@ -266,6 +269,26 @@ def test_no_distribution_left_behind(dense_model):
     parallel.fit(x, y, batch_size=8, epochs=1, verbose=0)
     other.fit(x, y, batch_size=7, epochs=1, shuffle=False, verbose=0)
     assert_weights_close(plain.get_weights(), other.get_weights(), atol=0)
+
+
+def test_a_model_the_user_drops_is_freed(dense_model):
+    """A wrapped model that fit (with validation), evaluate and predict have used is freed
+    once the user drops it, as a Keras model is: a process that wraps model after model (a
+    hyperparameter search) would otherwise keep each one, and its device memory. On
+    TensorFlow, the pipeline's tf.numpy_function held the model for the whole process."""
+    x, y = classification_data(30)
+
+    def used():
+        template = dense_model()
+        parallel = compile_sgd(kmg.multi_gpu_model(template, gpus=engine_gpus(2)))
+        parallel.fit(x, y, batch_size=8, epochs=1, validation_data=(x, y), verbose=0)
+        parallel.evaluate(x, y, batch_size=8, verbose=0)
+        parallel.predict(x, batch_size=8, verbose=0)
+        return weakref.ref(template), weakref.ref(parallel)
+
+    template, parallel = used()
+    gc.collect()
+    assert (template(), parallel()) == (None, None)
 
 
 def test_sample_and_class_weights_equal_one_device(dense_model):

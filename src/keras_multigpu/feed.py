@@ -4,6 +4,7 @@ shuffle; a `Feed` keeps the generators each pass drew from, for an exact resume.
 
 import concurrent.futures
 import warnings
+import weakref
 
 import numpy as np
 from keras import tree
@@ -76,8 +77,7 @@ class Feed(data_adapters.data_adapter.DataAdapter):
         self._resume = None  # what the next epoch's pass restores (see `resume`)
         self._restore_now = None  # the generators to set once a resumed pass has drawn
         self._not_an_end = False  # the next on_epoch_end is a new Keras call's start
-        self._signature = None
-        self._inner_tf = None
+        self._signature = self._inner_tf = None
         self.failed = None  # the error `pad` raised on tf.data's threads
         self.source = None  # the user's data, where it is not arrays (`inputs.as_padded`)
 
@@ -158,26 +158,16 @@ class Feed(data_adapters.data_adapter.DataAdapter):
         spec = dataset.element_spec
         if self._signature is None:
             self._signature = self._output_signature(spec)
-        out_spec = self._signature
-        flat_out = tree.flatten(out_spec)
+        out_spec, flat_out = self._signature, tree.flatten(self._signature)
 
-        def serve(*flat):
-            batch = tree.pack_sequence_as(spec, [np.asarray(a) for a in flat])
-            if self._restore_now is not None:  # the resumed pass has drawn its order
-                set_global_generators(self._restore_now, self._set_engine_state)
-                self._restore_now = None
-            self._served.append(np.asarray(tree.flatten(batch)[0]) if self.arrays else None)
-            try:
-                out = tree.flatten(self.pad(batch))  # on tf.data's threads
-            except Exception as error:  # TensorFlow re-raises it as its own (`raise_failed`)
-                self.failed = error
-                raise
-            return [np.asarray(leaf, s.dtype.as_numpy_dtype) for leaf, s in zip(out, flat_out)]
+        # tf.numpy_function keeps its function as long as TensorFlow's global graph (the
+        # process): it reaches the feed, and so the model, through a weak reference alone.
+        feed = weakref.ref(self)
 
         def mapped(*element):
-            # tf.data passes a tuple element's parts as arguments, each whole (a dict of
-            # inputs too): `serve` takes the leaves.
-            out = tf.numpy_function(serve, tree.flatten(element), [s.dtype for s in flat_out],
+            # tf.data passes a tuple's parts as arguments, each whole: the step takes leaves.
+            out = tf.numpy_function(lambda *flat: feed()._serve_flat(spec, flat_out, flat),
+                                    tree.flatten(element), [s.dtype for s in flat_out],
                                     stateful=True)
             for tensor, s in zip(out, flat_out):
                 tensor.set_shape(s.shape)
@@ -193,6 +183,20 @@ class Feed(data_adapters.data_adapter.DataAdapter):
             options.autotune.enabled = False
             dataset = dataset.with_options(options)
         return dataset
+
+    def _serve_flat(self, spec, flat_out, flat):
+        """`get_tf_dataset`'s step on tf.data's threads: one batch of `inner`'s leaves, padded."""
+        batch = tree.pack_sequence_as(spec, [np.asarray(a) for a in flat])
+        if self._restore_now is not None:  # the resumed pass has drawn its order
+            set_global_generators(self._restore_now, self._set_engine_state)
+            self._restore_now = None
+        self._served.append(np.asarray(tree.flatten(batch)[0]) if self.arrays else None)
+        try:
+            out = tree.flatten(self.pad(batch))
+        except Exception as error:  # TensorFlow re-raises it as its own (`raise_failed`)
+            self.failed = error
+            raise
+        return [np.asarray(leaf, s.dtype.as_numpy_dtype) for leaf, s in zip(out, flat_out)]
 
     # -- the passes -----------------------------------------------------------
 
@@ -210,8 +214,7 @@ class Feed(data_adapters.data_adapter.DataAdapter):
     def _pass(self, make):
         """One pass: `inner`'s batches from `make()`, served (a generator: nothing is made
         until Keras asks for the first batch, as with `inner`'s own)."""
-        iterator = iter(make())
-        return self._served_from(iterator)
+        return self._served_from(iter(make()))
 
     def _served_from(self, iterator):
         total = self.num_batches
