@@ -187,6 +187,7 @@ class ParallelModel(Calls, TemplateFace, keras.Model):
 
     def _replicate_state(self):
         variables, optimizers = self._state()
+        processes.check_same_model(variables)
         self._backend.replicate(variables, self._distribution, optimizers=optimizers)
 
     def _scope(self):

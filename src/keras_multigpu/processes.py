@@ -10,6 +10,8 @@ process rules:
   `all_gather_object` is the same for JSON-able values;
 - `agree_on_random_state`: every process takes process 0's Python, NumPy and engine
   generators, so that shuffling, Keras's default seeds and dropout draw alike;
+- `check_same_model`: at each call's start, every process holds a model of process 0's
+  shapes and dtypes, or every process says which variable differs;
 - the saves: Keras's `save_model` and `save_weights` (a model's `save`, a
   `ModelCheckpoint`, a direct `keras.saving.save_model(...)`) are written by process 0
   alone, atomically; every other process returns once process 0 has written its
@@ -189,6 +191,36 @@ def exchange(what, value):
 def all_gather_object(value, what="a gather of host figures"):
     """`value` (JSON-able) from every process, in rank order; every process calls it."""
     return [json.loads(v) for v in exchange(what, json.dumps(value))]
+
+
+def check_same_model(variables):
+    """Every process holds the same variables (shapes and dtypes, in order), or every
+    process raises a ValueError naming the first that differs: before the collectives pair
+    unlike buffers (gloo aborts the process; NCCL hangs or mixes them)."""
+    if count() == 1:
+        return
+    mine = [[list(v.shape), str(v.dtype)] for v in variables]
+    everyone = all_gather_object(
+        mine, "the start of a call, where every process checks that it holds the same model")
+    for other, layout in enumerate(everyone):
+        if layout == everyone[0]:
+            continue
+        n = min(len(layout), len(everyone[0]))
+        first = next((i for i in range(n) if layout[i] != everyone[0][i]), n)
+        name = f" ({variables[first].path})" if first < len(variables) else ""
+        said = (f"variable {first}{name} is {_shown(layout[first])} on process {other} and "
+                f"{_shown(everyone[0][first])} on process 0" if first < n else
+                f"process {other} has {len(layout)} variables and process 0 {len(everyone[0])}")
+        raise ValueError(
+            f"The {count()} processes hold different models: {said}. "
+            "Every process must build the same model, from the same code and settings (a "
+            "hyperparameter search must try the same trial on every process)."
+        )
+
+
+def _shown(layout):
+    shape, dtype = layout
+    return f"{dtype} of shape {tuple(shape)}"
 
 
 def agree_to_stop(requested):
