@@ -298,34 +298,41 @@ def test_ctrl_c_reaches_every_rank(tmp_path):
     assert "stopped by SIGINT" in err
 
 
-@pytest.mark.parametrize("engine", ["jax", "tensorflow", "torch"])
-def test_processes_that_build_different_models_are_told_so(tmp_path, engine):
+@pytest.mark.parametrize(("engine", "differs"), [
+    ("jax", "model"), ("tensorflow", "model"), ("torch", "model"), ("torch", "data")])
+def test_processes_with_different_models_or_data_are_told_so(tmp_path, engine, differs):
     """A process whose model differs from process 0's (a hyperparameter search drawing its
-    own trial on each process) is named by every process, before a collective pairs
-    unlike buffers: gloo aborted the process (SIGABRT), TensorFlow failed deep in a
-    collective op."""
+    own trial on each process), or whose data does (a shard per rank, as in a Horovod
+    program), is named by every process, before a collective pairs unlike buffers: gloo
+    aborted the torch processes (SIGABRT), TensorFlow failed deep in a collective op."""
     script = _script(tmp_path, "differ.py", """
-        import os
+        import os, sys
         import keras, numpy as np
         import keras_multigpu as kmg
-        units = 8 if os.environ["RANK"] == "1" else 4
+        rank, differs = int(os.environ["RANK"]), sys.argv[1]
+        units = 8 if rank == 1 and differs == "model" else 4
         model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(units, name="hidden"),
                                   keras.layers.Dense(1)])
         parallel = kmg.multi_gpu_model(model)
         parallel.compile(optimizer="adam", loss="mse")
-        parallel.fit(np.ones((8, 6)), np.ones((8, 1)), batch_size=4, verbose=0)
+        x = np.arange(60.0).reshape(10, 6)
+        x = x[rank::2] if differs == "data" else x
+        parallel.fit(x, x[:, :1], batch_size=4, verbose=0)
     """)
     # The launcher reads the engine from KERAS_BACKEND (TensorFlow's workers get TF_CONFIG).
-    result = _run([*LAUNCH, "-n", "2", "--timeout", "60", script], tmp_path,
+    result = _run([*LAUNCH, "-n", "2", "--timeout", "60", script, differs], tmp_path,
                   KERAS_BACKEND=engine)
     assert result.returncode == 1, result.stderr[-3000:]
-    said = ("ValueError: The 2 processes hold different models: variable 0 "
-            "(sequential/hidden/kernel) is float32 of shape (6, 8) on process 1 and float32 "
-            "of shape (6, 4) on process 0.")
-    for rank in (0, 1):
-        assert f"[rank {rank}] " in result.stdout + result.stderr
-        assert any(line.startswith(f"[rank {rank}]") and said in line
-                   for line in (result.stdout + result.stderr).splitlines()), result.stderr
+    said = {"model": "ValueError: The 2 processes hold different models: variable 0 "
+                     "(sequential/hidden/kernel) is float32 of shape (6, 8) on process 1 and "
+                     "float32 of shape (6, 4) on process 0.",
+            "data": "ValueError: The 2 processes were given different data: 5 rows on every "
+                    "process, with other values on process 1."}[differs]
+    # Every process raises it; the launcher reports the first to exit, with its last lines
+    # (on JAX, the other may be ended first by jax.distributed, as process 0 leaves).
+    report = result.stderr.split("keras-multigpu launch: rank ")[-1]
+    assert "of 2 exited with status 1. Its last lines:" in report, result.stderr[-3000:]
+    assert said in report, result.stderr[-3000:]
 
 
 def test_the_jax_engine_trains_across_several_processes(tmp_path):

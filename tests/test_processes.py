@@ -28,7 +28,7 @@ np.random.seed(rank)
 import keras
 from keras.src.saving import saving_lib
 
-from keras_multigpu import interrupt, processes
+from keras_multigpu import inputs, interrupt, processes
 
 
 class FolderStore(processes.Store):
@@ -68,6 +68,30 @@ result["gathered"] = processes.all_gather_object({"rank": rank, "big": "x" * (3 
 result["gathered"] = [g["rank"] for g in result["gathered"] if len(g["big"]) == 3 << 20]
 # Ctrl-C on process 1 only: both are told to stop; then neither.
 result["stop"] = [interrupt._STATE.agree(rank == 1), interrupt._STATE.agree(False)]
+
+
+def told(check, *args):
+    try:
+        check(*args)
+        return "same"
+    except ValueError as error:
+        return str(error)
+
+
+def model(units):
+    return keras.Sequential([keras.Input((2,)), keras.layers.Dense(units)]).variables
+
+
+def padded(x):
+    return inputs.as_padded(x, x[:, :1], batch_size=4, replicas=1, tag=lambda b, r, n: b)
+
+
+whole = np.arange(40.0, dtype="float32").reshape(20, 2)
+result["models"] = [told(processes.check_same_model, model(3)),
+                    told(processes.check_same_model, model(3 + rank))]
+result["data"] = [told(padded, whole), told(padded, whole[rank::2]),
+                  told(padded, whole[:10 + 2 * rank]),
+                  told(padded, whole.astype("float64" if rank else "float32"))]
 model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
 keras.saving.save_model(model, os.path.join(folder, "direct.keras"))
 model.save(os.path.join(folder, "model.keras"))
@@ -134,6 +158,32 @@ def test_a_gather_returns_every_process_value_in_rank_order(ran):
 def test_a_ctrl_c_on_one_process_stops_every_process(ran):
     results, _ = ran
     assert [r["stop"] for r in results] == [[True, False], [True, False]]
+
+
+def test_processes_with_different_models_are_told_which_variable(ran):
+    results, _ = ran
+    said = ("The 2 processes hold different models: variable 0 (sequential_1/dense_1/kernel) is "
+            "float32 of shape (2, 4) on process 1 and float32 of shape (2, 3) on process 0. "
+            "Every process must build the same model")
+    for models in (r["models"] for r in results):
+        assert models[0] == "same"
+        assert models[1].startswith(said), models[1]
+
+
+def test_processes_given_different_data_are_told_how(ran):
+    results, _ = ran
+    for data in (r["data"] for r in results):
+        assert data[0] == "same"
+        assert data[1].startswith("The 2 processes were given different data: 10 rows on every "
+                                  "process, with other values on process 1. Every process must "
+                                  "pass the whole dataset"), data[1]
+        assert data[2].startswith("The 2 processes were given different data: 12 rows on "
+                                  "process 1 and 10 on process 0."), data[2]
+        assert data[3].startswith("The 2 processes were given different data: arrays of float64 "
+                                  "rows of shape (2,), float64 rows of shape (1,) on process 1 and "
+                                  "of float32 rows of shape (2,), float32 rows of shape (1,) on "
+                                  "process 0."), data[3]
+    assert results[0]["data"] == results[1]["data"]
 
 
 def test_process_zero_alone_writes_a_direct_keras_save(ran):

@@ -2,10 +2,12 @@
 DataLoader), as a `Feed` of padded batches: `as_padded`."""
 
 import inspect
+import zlib
 
 import numpy as np
 from keras import tree
 
+from keras_multigpu import processes
 from keras_multigpu._keras import data_adapters
 from keras_multigpu.batching import (
     _is_array_like,
@@ -90,7 +92,25 @@ def as_padded(x, y=None, sample_weight=None, *, batch_size=None, replicas, tag,
                            options=options, batch_size=batch_size, shuffle=shuffle,
                            class_weight=class_weight, drop_remainder=drop_remainder,
                            steps_per_epoch=steps_per_epoch, place=place, put=put)
+    processes.check_same_data(summary(feed))
     return feed, feed
+
+
+def summary(feed):
+    """What every process compares of its data (`processes.check_same_data`): arrays' rows,
+    their shapes and dtypes and a checksum of three rows; a stream's batches, where known."""
+    if feed.arrays is None:
+        return {"batches": feed.num_batches}
+    leaves = [leaf for leaf in tree.flatten(feed.arrays) if leaf is not None]
+    rows = _num_rows(feed.arrays[0], "x")
+    checksum = 0
+    for leaf in (leaf for leaf in leaves if rows and not is_sparse(leaf)):
+        for i in sorted({0, rows // 2, rows - 1}):
+            row = np.asarray(leaf[i])
+            checksum = zlib.crc32(row.tobytes() if row.dtype != object else
+                                  repr(row.tolist()).encode(), checksum)
+    return {"rows": rows, "checksum": checksum,
+            "layout": [[list(np.shape(leaf)[1:]), str(leaf.dtype)] for leaf in leaves]}
 
 
 def _stream_feed(x, y, sample_weight, *, replicas, tag, text, options, batch_size, shuffle,

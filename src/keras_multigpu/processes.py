@@ -10,8 +10,9 @@ process rules:
   `all_gather_object` is the same for JSON-able values;
 - `agree_on_random_state`: every process takes process 0's Python, NumPy and engine
   generators, so that shuffling, Keras's default seeds and dropout draw alike;
-- `check_same_model`: at each call's start, every process holds a model of process 0's
-  shapes and dtypes, or every process says which variable differs;
+- `check_same_model`, `check_same_data`: at each call's start, every process holds a model
+  of process 0's shapes and dtypes and was given process 0's data, or every process says
+  how they differ;
 - the saves: Keras's `save_model` and `save_weights` (a model's `save`, a
   `ModelCheckpoint`, a direct `keras.saving.save_model(...)`) are written by process 0
   alone, atomically; every other process returns once process 0 has written its
@@ -217,6 +218,33 @@ def check_same_model(variables):
             "hyperparameter search must try the same trial on every process)."
         )
 
+
+def check_same_data(summary):
+    """Every process was handed the same data for a call (`summary`: `inputs.summary`'s),
+    or every process raises a ValueError saying how process 0's and another's differ."""
+    if count() == 1:
+        return
+    everyone = all_gather_object(
+        summary, "the start of a call, where every process checks that it has the same data")
+    other = next((r for r, theirs in enumerate(everyone) if theirs != everyone[0]), None)
+    if other is None:
+        return
+    theirs, first = everyone[other], everyone[0]
+    said = next((f"{theirs[key]} {key} on process {other} and {first[key]} on process 0"
+                 for key in ("rows", "batches") if theirs.get(key) != first.get(key)), None)
+    if said is None:
+        rows = [", ".join(f"{dtype} rows of shape {tuple(shape)}" for shape, dtype in layout)
+                for layout in (theirs["layout"], first["layout"])]
+        said = (f"arrays of {rows[0]} on process {other} and of {rows[1]} on process 0"
+                if theirs.get("layout") != first.get("layout")
+                else f"{first['rows']} rows on every process, with other values on process "
+                f"{other}")
+    raise ValueError(
+        f"The {count()} processes were given different data: {said}. Every process must "
+        "pass the whole dataset, the same on each: batch_size is the global batch, and each "
+        "process takes its own devices' share of every batch. Do not shard the data by rank "
+        "(as a Horovod program does)."
+    )
 
 def _shown(layout):
     shape, dtype = layout
