@@ -91,7 +91,9 @@ result["models"] = [told(processes.check_same_model, model(3)),
                     told(processes.check_same_model, model(3 + rank))]
 result["data"] = [told(padded, whole), told(padded, whole[rank::2]),
                   told(padded, whole[:10 + 2 * rank]),
-                  told(padded, whole.astype("float64" if rank else "float32"))]
+                  told(padded, whole.astype("float64" if rank else "float32")),
+                  told(lambda x: inputs.as_padded(x, batch_size=4 + rank, replicas=1,
+                                                  tag=lambda b, r, n: b), whole)]
 model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
 keras.saving.save_model(model, os.path.join(folder, "direct.keras"))
 model.save(os.path.join(folder, "model.keras"))
@@ -178,11 +180,13 @@ def test_processes_given_different_data_are_told_how(ran):
                                   "process, with other values on process 1. Every process must "
                                   "pass the whole dataset"), data[1]
         assert data[2].startswith("The 2 processes were given different data: 12 rows on "
-                                  "process 1 and 10 on process 0."), data[2]
+                                  "process 1 and 10 rows on process 0."), data[2]
         assert data[3].startswith("The 2 processes were given different data: arrays of float64 "
                                   "rows of shape (2,), float64 rows of shape (1,) on process 1 and "
                                   "of float32 rows of shape (2,), float32 rows of shape (1,) on "
                                   "process 0."), data[3]
+        assert data[4].startswith("The 2 processes were given different data: batch_size=5 "
+                                  "on process 1 and batch_size=4 on process 0."), data[4]
     assert results[0]["data"] == results[1]["data"]
 
 

@@ -98,9 +98,10 @@ def as_padded(x, y=None, sample_weight=None, *, batch_size=None, replicas, tag,
 
 def summary(feed):
     """What every process compares of its data (`processes.check_same_data`): arrays' rows,
-    their shapes and dtypes and a checksum of three rows; a stream's batches, where known."""
+    their shapes and dtypes and a checksum of three rows; the batch size and count."""
+    sizes = {"batch_size": feed.batch_size, "batches": feed.num_batches}
     if feed.arrays is None:
-        return {"batches": feed.num_batches}
+        return sizes
     leaves = [leaf for leaf in tree.flatten(feed.arrays) if leaf is not None]
     rows = _num_rows(feed.arrays[0], "x")
     checksum = 0
@@ -109,7 +110,7 @@ def summary(feed):
             row = np.asarray(leaf[i])
             checksum = zlib.crc32(row.tobytes() if row.dtype != object else
                                   repr(row.tolist()).encode(), checksum)
-    return {"rows": rows, "checksum": checksum,
+    return {**sizes, "rows": rows, "checksum": checksum,
             "layout": [[list(np.shape(leaf)[1:]), str(leaf.dtype)] for leaf in leaves]}
 
 

@@ -230,21 +230,25 @@ def check_same_data(summary):
     if other is None:
         return
     theirs, first = everyone[other], everyone[0]
-    said = next((f"{theirs[key]} {key} on process {other} and {first[key]} on process 0"
-                 for key in ("rows", "batches") if theirs.get(key) != first.get(key)), None)
-    if said is None:
+    for key, shown in (("rows", "{} rows"), ("batch_size", "batch_size={}"),
+                       ("batches", "{} batches")):
+        if theirs.get(key) != first.get(key):
+            said = (f"{shown.format(theirs.get(key))} on process {other} and "
+                    f"{shown.format(first.get(key))} on process 0")
+            break
+    else:
         rows = [", ".join(f"{dtype} rows of shape {tuple(shape)}" for shape, dtype in layout)
                 for layout in (theirs["layout"], first["layout"])]
         said = (f"arrays of {rows[0]} on process {other} and of {rows[1]} on process 0"
-                if theirs.get("layout") != first.get("layout")
-                else f"{first['rows']} rows on every process, with other values on process "
-                f"{other}")
+                if theirs["layout"] != first["layout"] else
+                f"{first['rows']} rows on every process, with other values on process {other}")
     raise ValueError(
         f"The {count()} processes were given different data: {said}. Every process must "
         "pass the whole dataset, the same on each: batch_size is the global batch, and each "
         "process takes its own devices' share of every batch. Do not shard the data by rank "
         "(as a Horovod program does)."
     )
+
 
 def _shown(layout):
     shape, dtype = layout
