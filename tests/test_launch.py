@@ -315,8 +315,8 @@ def test_processes_with_different_models_or_data_are_told_so(tmp_path, engine, d
                                   keras.layers.Dense(1)])
         parallel = kmg.multi_gpu_model(model)
         parallel.compile(optimizer="adam", loss="mse")
-        x = np.arange(60.0).reshape(10, 6)
-        x = x[rank::2] if differs == "data" else x
+        x = np.arange(66.0).reshape(11, 6)
+        x = x[rank::2] if differs == "data" else x  # 6 rows on process 0, 5 on process 1
         parallel.fit(x, x[:, :1], batch_size=4, verbose=0)
     """)
     # The launcher reads the engine from KERAS_BACKEND (TensorFlow's workers get TF_CONFIG).
@@ -326,8 +326,8 @@ def test_processes_with_different_models_or_data_are_told_so(tmp_path, engine, d
     said = {"model": "ValueError: The 2 processes hold different models: variable 0 "
                      "(sequential/hidden/kernel) is float32 of shape (6, 8) on process 1 and "
                      "float32 of shape (6, 4) on process 0.",
-            "data": "ValueError: The 2 processes were given different data: 5 rows on every "
-                    "process, with other values on process 1."}[differs]
+            "data": "ValueError: The 2 processes were given different data: 5 rows on "
+                    "process 1 and 6 rows on process 0."}[differs]
     # Every process raises it; the launcher reports the first to exit, with its last lines
     # (on JAX, the other may be ended first by jax.distributed, as process 0 leaves).
     report = result.stderr.split("keras-multigpu launch: rank ")[-1]

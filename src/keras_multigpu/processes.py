@@ -11,8 +11,8 @@ process rules:
 - `agree_on_random_state`: every process takes process 0's Python, NumPy and engine
   generators, so that shuffling, Keras's default seeds and dropout draw alike;
 - `check_same_model`, `check_same_data`: at each call's start, every process holds a model
-  of process 0's shapes and dtypes and was given process 0's data, or every process says
-  how they differ;
+  of process 0's shapes and dtypes and was given batches of process 0's shapes, or every
+  process says how they differ (process 0 warns where only the data's values differ);
 - the saves: Keras's `save_model` and `save_weights` (a model's `save`, a
   `ModelCheckpoint`, a direct `keras.saving.save_model(...)`) are written by process 0
   alone, atomically; every other process returns once process 0 has written its
@@ -28,6 +28,7 @@ import functools
 import json
 import os
 import sys
+import warnings
 
 import keras
 
@@ -220,8 +221,14 @@ def check_same_model(variables):
 
 
 def check_same_data(summary):
-    """Every process was handed the same data for a call (`summary`: `inputs.summary`'s),
-    or every process raises a ValueError saying how process 0's and another's differ."""
+    """Every process was handed the same data for a call (`summary`: `inputs.summary`'s).
+
+    Where the batches would differ (rows, batch size, batch count, shapes or dtypes), every
+    process raises a ValueError saying how: the processes would run other steps, or pair
+    unlike buffers. Where only the values differ, process 0 warns and the call goes on, as
+    each process trains on its devices' share of its own data: a shard per rank, or data
+    drawn at random before the processes agreed on their random state.
+    """
     if count() == 1:
         return
     everyone = all_gather_object(
@@ -239,9 +246,17 @@ def check_same_data(summary):
     else:
         rows = [", ".join(f"{dtype} rows of shape {tuple(shape)}" for shape, dtype in layout)
                 for layout in (theirs["layout"], first["layout"])]
-        said = (f"arrays of {rows[0]} on process {other} and of {rows[1]} on process 0"
-                if theirs["layout"] != first["layout"] else
-                f"{first['rows']} rows on every process, with other values on process {other}")
+        said = f"arrays of {rows[0]} on process {other} and of {rows[1]} on process 0"
+        if theirs["layout"] == first["layout"]:
+            if rank() == 0:
+                warnings.warn(
+                    f"The {count()} processes were given different data: {first['rows']} rows "
+                    f"on every process, with other values on process {other}. Each process "
+                    "trains on its own devices' share of its own data, which one device would "
+                    "not: pass the whole dataset, the same on each process, rather than a "
+                    "shard per rank; seed data drawn at random "
+                    "(keras.utils.set_random_seed(seed) before drawing it).", stacklevel=5)
+            return
     raise ValueError(
         f"The {count()} processes were given different data: {said}. Every process must "
         "pass the whole dataset, the same on each: batch_size is the global batch, and each "
