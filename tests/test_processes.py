@@ -96,7 +96,10 @@ result["data"] = [told(padded, whole), told(padded, whole[rank::2]),
                   told(padded, whole[:10 + 2 * rank]),
                   told(padded, whole.astype("float64" if rank else "float32")),
                   told(lambda x: inputs.as_padded(x, batch_size=4 + rank, replicas=1,
-                                                  tag=lambda b, r, n: b), whole)]
+                                                  tag=lambda b, r, n: b), whole),
+                  told(lambda x: inputs.as_padded(x, batch_size=4, replicas=1,
+                                                  tag=lambda b, r, n: b),
+                       (batch for batch in [(whole[:4],)] * 5) if rank else whole)]
 model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
 keras.saving.save_model(model, os.path.join(folder, "direct.keras"))
 model.save(os.path.join(folder, "model.keras"))
@@ -187,6 +190,8 @@ def test_processes_given_different_data_are_told_how(ran):
                                   "process 0."), data[3]
         assert data[4].startswith("The 2 processes were given different data: batch_size=5 "
                                   "on process 1 and batch_size=4 on process 0."), data[4]
+        assert data[5].startswith("The 2 processes were given different data: a stream on "
+                                  "process 1 and 20 rows on process 0."), data[5]
     # Only the values differ (a shard per rank of equal size): process 0 warns, and each
     # process goes on with its own data.
     warned, quiet = (r["data"][1] for r in results)

@@ -240,8 +240,9 @@ def check_same_data(summary):
     for key, shown in (("rows", "{} rows"), ("batch_size", "batch_size={}"),
                        ("batches", "{} batches")):
         if theirs.get(key) != first.get(key):
-            said = (f"{shown.format(theirs.get(key))} on process {other} and "
-                    f"{shown.format(first.get(key))} on process 0")
+            shown_as = [shown.format(v) if key != "rows" or v is not None else "a stream"
+                        for v in (theirs.get(key), first.get(key))]
+            said = f"{shown_as[0]} on process {other} and {shown_as[1]} on process 0"
             break
     else:
         rows = [", ".join(f"{dtype} rows of shape {tuple(shape)}" for shape, dtype in layout)
