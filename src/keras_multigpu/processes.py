@@ -204,20 +204,21 @@ def check_same_model(variables):
     mine = [[list(v.shape), str(v.dtype)] for v in variables]
     everyone = all_gather_object(
         mine, "the start of a call, where every process checks that it holds the same model")
-    for other, layout in enumerate(everyone):
-        if layout == everyone[0]:
-            continue
-        n = min(len(layout), len(everyone[0]))
-        first = next((i for i in range(n) if layout[i] != everyone[0][i]), n)
-        name = f" ({variables[first].path})" if first < len(variables) else ""
-        said = (f"variable {first}{name} is {_shown(layout[first])} on process {other} and "
-                f"{_shown(everyone[0][first])} on process 0" if first < n else
-                f"process {other} has {len(layout)} variables and process 0 {len(everyone[0])}")
-        raise ValueError(
-            f"The {count()} processes hold different models: {said}. "
-            "Every process must build the same model, from the same code and settings (a "
-            "hyperparameter search must try the same trial on every process)."
-        )
+    other = next((r for r, layout in enumerate(everyone) if layout != everyone[0]), None)
+    if other is None:
+        return
+    theirs, first = everyone[other], everyone[0]
+    n = min(len(theirs), len(first))
+    at = next((i for i in range(n) if theirs[i] != first[i]), n)
+    name = f" ({variables[at].path})" if at < len(variables) else ""
+    said = (f"variable {at}{name} is {_shown(theirs[at])} on process {other} and "
+            f"{_shown(first[at])} on process 0" if at < n else
+            f"process {other} has {len(theirs)} variables and process 0 {len(first)}")
+    raise ValueError(
+        f"The {count()} processes hold different models: {said}. "
+        "Every process must build the same model, from the same code and settings (a "
+        "hyperparameter search must try the same trial on every process)."
+    )
 
 
 def check_same_data(summary):
@@ -245,10 +246,7 @@ def check_same_data(summary):
             said = f"{shown_as[0]} on process {other} and {shown_as[1]} on process 0"
             break
     else:
-        rows = [", ".join(f"{dtype} rows of shape {tuple(shape)}" for shape, dtype in layout)
-                for layout in (theirs["layout"], first["layout"])]
-        said = f"arrays of {rows[0]} on process {other} and of {rows[1]} on process 0"
-        if theirs["layout"] == first["layout"]:
+        if theirs["layout"] == first["layout"]:  # the values alone differ
             if rank() == 0:
                 warnings.warn(
                     f"The {count()} processes were given different data: {first['rows']} rows "
@@ -258,6 +256,9 @@ def check_same_data(summary):
                     "shard per rank; seed data drawn at random "
                     "(keras.utils.set_random_seed(seed) before drawing it).", stacklevel=5)
             return
+        arrays = [", ".join(f"{dtype} rows of shape {tuple(shape)}" for shape, dtype in layout)
+                  for layout in (theirs["layout"], first["layout"])]
+        said = f"arrays of {arrays[0]} on process {other} and of {arrays[1]} on process 0"
     raise ValueError(
         f"The {count()} processes were given different data: {said}. Every process must "
         "pass the whole dataset, the same on each: batch_size is the global batch, and each "
