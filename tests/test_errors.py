@@ -299,10 +299,11 @@ def test_predict_bad_batch_size(parallel):
 
 
 def test_save_refuses_another_suffix(parallel, tmp_path):
-    target = tmp_path / "model.h5"
-    with pytest.raises(ValueError, match=r"must end in '\.keras'") as info:
+    target = tmp_path / "model.pt"
+    with pytest.raises(ValueError, match=r"must end in '\.keras' or '\.h5' or '\.hdf5'") \
+            as info:
         parallel.save(target)
-    assert "model.h5" in str(info.value)
+    assert "model.pt" in str(info.value)
     assert list(tmp_path.iterdir()) == []  # no file, no leftover temporary
 
 

@@ -105,6 +105,23 @@ def test_weights_load_into_a_plain_model(dense_model, tmp_path):
     np.testing.assert_allclose(other.predict(x, verbose=0), plain.predict(x, verbose=0), atol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["model.h5", "model.hdf5"])
+def test_legacy_hdf5_saves_are_the_templates_as_on_one_device(dense_model, tmp_path, name):
+    # Keras's `Model.save` and a `ModelCheckpoint` take `.h5` too (its legacy format, with a
+    # warning): older programs checkpoint so, after their first epoch.
+    parallel, x, y = trained_parallel(dense_model)
+    parallel.save(tmp_path / name)
+    checkpoint = keras.callbacks.ModelCheckpoint(tmp_path / "best.h5")  # .h5 alone
+    parallel.fit(x, y, batch_size=7, epochs=1, verbose=0, callbacks=[checkpoint])
+    assert sorted(os.listdir(tmp_path)) == sorted([name, "best.h5"])  # no temporaries
+    for path in (tmp_path / name, tmp_path / "best.h5"):
+        loaded = keras.saving.load_model(path)
+        assert [type(layer).__name__ for layer in loaded.layers] == ["Dense", "Dense"]
+        assert loaded.optimizer.__class__.__name__ == "Adam"
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), parallel.predict(x, verbose=0),
+                               atol=1e-6)
+
+
 def test_failed_save_leaves_the_previous_file_intact(dense_model, tmp_path, monkeypatch):
     from keras.src.saving import saving_lib
 

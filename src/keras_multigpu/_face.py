@@ -12,6 +12,9 @@ from keras_multigpu import processes
 from keras_multigpu._io import atomic_export, atomic_path, check_suffix, unreadable
 from keras_multigpu._keras import io_utils
 
+# What Keras's `Model.save` writes: its own format, or the legacy HDF5 one.
+SAVE_SUFFIXES = (".keras", ".h5", ".hdf5")
+
 
 class TemplateFace:
     """The template's weights, files, summary and structure, as the `ParallelModel`'s."""
@@ -45,14 +48,16 @@ class TemplateFace:
         super().__setattr__(name, value)
 
     def save(self, filepath, overwrite=True, **kwargs):
-        """Saves the template as a plain `.keras` file, atomically (by one process only)."""
-        check_suffix(filepath, ".keras")  # as on one process (Keras itself takes .h5 too)
+        """Saves the template as a plain Keras file, atomically (by one process only):
+        `.keras`, or Keras's legacy HDF5 (`.h5`, `.hdf5`), as `Model.save` takes them."""
+        filepath = check_suffix(filepath, SAVE_SUFFIXES)
         if not overwrite and os.path.exists(filepath):
             raise FileExistsError(f"{filepath} exists and overwrite=False.")
         if self._backend.process_count() > 1:
             # The engine writes on the first process, atomically, and waits for it.
             return self.template.save(filepath, **kwargs)
-        with atomic_path(filepath, ".keras") as tmp:
+        suffix = next(s for s in SAVE_SUFFIXES if filepath.endswith(s))
+        with atomic_path(filepath, suffix) as tmp:
             self.template.save(tmp, **kwargs)
 
     def save_weights(self, filepath, overwrite=True, **kwargs):

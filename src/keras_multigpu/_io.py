@@ -67,14 +67,17 @@ def hint(error):
 
 
 def check_suffix(filepath, suffix):
-    """`filepath` as a string, or a ValueError where it does not end with `suffix`."""
+    """`filepath` as a string, or a ValueError where it does not end with `suffix` (a
+    string, or a tuple of the suffixes allowed)."""
+    suffixes = (suffix,) if isinstance(suffix, str) else tuple(suffix)
+    named = " or ".join(repr(s) for s in suffixes)
     if not isinstance(filepath, (str, os.PathLike)):
-        raise TypeError(f"filepath must be a path ending in {suffix!r}. Received: "
+        raise TypeError(f"filepath must be a path ending in {named}. Received: "
                         f"filepath={filepath!r} of type {type(filepath).__name__}.")
     filepath = os.fspath(filepath)
-    if not filepath.endswith(suffix):
+    if not filepath.endswith(suffixes):
         raise ValueError(
-            f"The filename must end in {suffix!r}. Received: filepath={filepath!r}."
+            f"The filename must end in {named}. Received: filepath={filepath!r}."
         )
     return filepath
 

@@ -37,7 +37,7 @@ from keras_multigpu._io import atomic_path
 from keras_multigpu.devices import TIMEOUT_ENV, collective_timeout
 
 _CHUNK = 1 << 20  # characters per key: every engine's store keeps its messages small
-_SUFFIXES = (".weights.h5", ".weights.json", ".keras", ".h5")
+_SUFFIXES = (".weights.h5", ".weights.json", ".keras", ".h5", ".hdf5")
 
 
 class CollectiveError(RuntimeError):
