@@ -663,6 +663,47 @@ def test_torchs_own_batch_norm_and_dropout_equal_one_device(gpus):
     _assert_same(*runs)
 
 
+class _TorchDraws(keras.Model):
+    """A step of the user's that draws with torch's own functions, from torch's global
+    generator: noise per row (a GAN's `torch.randn(rows, latent)`), a draw like the inputs,
+    integers, and a draw of a constant size."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(8, activation="tanh")
+        self.out = keras.layers.Dense(3, activation="softmax")
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+    def train_step(self, data):
+        import torch
+
+        x, y = data
+        rows = x.shape[0]
+        x = (x * torch.rand(rows, 1) + 0.1 * torch.randn_like(x) + torch.randn(rows, 6)
+             + torch.randint(0, 2, (rows, 1)) + torch.rand(6))
+        return super().train_step((x, y))
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="torch's own draws in a torch step")
+@pytest.mark.parametrize("gpus", [2, 3])
+def test_torchs_own_draws_in_a_step_equal_one_device(gpus):
+    """Every process shares torch's generator: each drew the same numbers for its own rows
+    (the same noise for different rows: figures 0.12 from one device's on 2 processes).
+    Each process now draws for the batch and keeps its rows. 26 rows in batches of 5 leave
+    processes of 1 row and of none, whose draws move the generator as the others' do."""
+    x = np.random.default_rng(7).normal(size=(26, 6)).astype("float32")
+
+    def build():
+        keras.utils.set_random_seed(0)
+        return _TorchDraws()
+
+    runs = [_train(count, 26, 5, build=build, data=(x, np.arange(26) % 3))
+            for count in (None, gpus)]
+    _assert_same(*runs)
+
+
 @pytest.mark.parametrize("gpus", [3])
 @pytest.mark.parametrize("loss", ["dice", "tversky"])
 def test_a_loss_of_one_value_for_the_batch_equals_one_device(gpus, loss):

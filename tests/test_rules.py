@@ -14,7 +14,7 @@ import keras
 import numpy as np
 import pytest
 
-from keras_multigpu import rules, rules_mixing, rules_rows
+from keras_multigpu import rules, rules_mixing, rules_random, rules_rows
 from keras_multigpu._keras import backend, base_trainer, loss_module
 
 # Rows per replica: even, uneven, and replicas left without rows (a batch smaller than the
@@ -973,6 +973,48 @@ def test_a_draw_not_shaped_by_the_rows_is_the_replicas_own():
         replica, keras.random.uniform, (5, 2), seed=keras.random.SeedGenerator(9)))
     for part in parts:
         np.testing.assert_array_equal(_numpy(part), one)
+
+
+class _SharedGenerator:
+    """A replica's copy of a generator every replica holds in the same state (torch's
+    global one, on every process): it hands out consecutive integers."""
+
+    def __init__(self):
+        self.position = 0
+
+    def draw(self, shape, seed):
+        assert seed is None
+        size = int(np.prod(shape))
+        self.position += size
+        return keras.ops.convert_to_tensor(
+            np.arange(self.position - size, self.position, dtype="float32").reshape(shape))
+
+
+@pytest.mark.parametrize("split", SPLITS, ids=str)
+def test_unseeded_draws_keep_a_shared_generator_as_one_device_moves_it(split):
+    """Draws from a generator every replica shares: of the rows, of two blocks of them,
+    and of a constant size, which on an uneven split (a replica with none among them) no
+    replica could tell from a draw of the rows alone. Every replica takes one device's
+    numbers and moves its copy as one device moves it."""
+    n = sum(split)
+    one = _SharedGenerator()
+    expected = [_numpy(one.draw((n, 2), None)), _numpy(one.draw((2 * n, 1), None)),
+                _numpy(one.draw((3,), None))]
+    generators = [_SharedGenerator() for _ in split]
+
+    def draws(replica, rows):
+        k, generator = rows.stop - rows.start, generators[replica.index]
+        return [_numpy(rules_random.batch_draw(replica, generator.draw, shape, None))
+                for shape in ((k, 2), (2 * k, 1), (3,))]
+
+    parts = _Replicas(split).run(draws)
+    for (k, start), generator, (rows, blocks, constant) in zip(
+            zip(split, _starts(split)), generators, parts):
+        assert generator.position == one.position
+        np.testing.assert_array_equal(rows, expected[0][start:start + k])
+        np.testing.assert_array_equal(blocks, np.concatenate(
+            [expected[1][start:start + k], expected[1][n + start:n + start + k]]))
+        np.testing.assert_array_equal(constant, expected[2])
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="the traced path: TensorFlow's replicas "

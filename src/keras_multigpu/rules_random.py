@@ -51,11 +51,9 @@ def batch_draw(replica, draw, shape, seed):
         return draw(shape, seed)
     if not replica.traced:
         rows = int(shape[0])
-        if k == n or (k and rows % k) or bool(k) != bool(rows):
+        blocks = _eager_blocks(replica, rows, seed)
+        if not blocks:
             return draw(shape, seed)
-        # A replica with no rows draws one block, as many numbers as a draw shaped by the
-        # batch (the common case) takes from the generators the others draw from.
-        blocks = rows // k if k else 1
         drawn = draw([blocks * n, *shape[1:]], Drawn(seed_generator.draw_seed(seed))
                      if _seeded(seed) else seed)
         if blocks == 1:
@@ -77,6 +75,31 @@ def batch_draw(replica, draw, shape, seed):
     batch_shaped = keras.ops.logical_and(
         keras.ops.logical_and(k > 0, keras.ops.equal(rows, blocks * k)), blocks > 0)
     return keras.ops.cond(batch_shaped, global_rows, lambda: draw(shape, seed))
+
+
+def _eager_blocks(replica, rows, seed):
+    """How many blocks of its k rows an eager replica's draw of `rows` first holds, or 0 for
+    a draw not shaped by the batch. A replica with no rows draws one block, as many numbers
+    as a draw shaped by the batch (the common case) takes from the generators the others
+    draw from. A draw from a generator every replica shares (unseeded: torch's global one)
+    moves it by what the replica draws, so every replica must decide alike, or their
+    generators part for the rest of the run: where the split is uneven, a draw for the
+    batch has other rows on each replica than a draw of a constant size, so they compare
+    theirs (one small all-reduce; none where the split is even, and every replica finds
+    what the others find)."""
+    k, n = replica.k, replica.n
+    if _seeded(seed) or n % replica.replicas == 0:
+        if k == n or (k and rows % k) or bool(k) != bool(rows):
+            return 0
+        return rows // k if k else 1
+    slot = keras.ops.one_hot(replica.index, replica.replicas, dtype="float32")
+    every = keras.ops.convert_to_numpy(replica.all_reduce(
+        [slot[:, None] * keras.ops.convert_to_tensor([float(rows), float(k)])[None]],
+        "all-reduce of a draw's rows")[0]).astype(int)
+    blocks = {int(r // kr) for r, kr in every if kr}
+    if len(blocks) != 1 or not all(r == kr * (r // max(kr, 1)) for r, kr in every):
+        return 0
+    return blocks.pop()
 
 
 def random_draw(replica, original, *args, **kwargs):

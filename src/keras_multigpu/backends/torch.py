@@ -345,6 +345,7 @@ def _rules_table():
         (torch_image, "affine_transform", _torch_rows.no_images, _step),
         (torch.nn.functional, "dropout", _torch_native.dropout, _step),
         (torch.nn.functional, "batch_norm", _torch_native.batch_norm, _step),
+        *_torch_native.draws(_step),
         *((owner, name, rule, _step) for owner, name, rule in _torch_grads.on_keras_steps()),
         (torch.autograd, "backward", _torch_grads.backward, _step),
         (torch.autograd, "grad", _torch_grads.grad, _step),
