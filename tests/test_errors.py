@@ -313,9 +313,10 @@ def test_save_weights_refuses_another_suffix(parallel, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("method, suffix", [("save", ".keras"), ("save_weights", ".weights.h5")])
-def test_a_path_that_is_not_one_is_refused(parallel, method, suffix):
-    with pytest.raises(TypeError, match=rf"must be a path ending in '{re.escape(suffix)}'\. "
+@pytest.mark.parametrize("method, suffixes", [("save", "'.keras' or '.h5' or '.hdf5'"),
+                                              ("save_weights", "'.weights.h5'")])
+def test_a_path_that_is_not_one_is_refused(parallel, method, suffixes):
+    with pytest.raises(TypeError, match=rf"must be a path ending in {re.escape(suffixes)}\. "
                                         r"Received: filepath=None of type NoneType"):
         getattr(parallel, method)(None)
 
