@@ -170,6 +170,28 @@ def test_a_shape_fixed_to_the_global_batch_is_explained_where_each_device_sees_i
                and "keras.ops.shape(x)[0]" in note for note in notes), (info.value, notes)
 
 
+class _BuiltByItsStep(keras.Model):
+    """No `call`: its step calls layers it has not built (Keras's TensorFlow trainer, with
+    no strategy, lets one device build them there)."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = keras.layers.Dense(4, name="encoder")
+        self.decoder = keras.layers.Dense(6, name="decoder")
+
+    def train_step(self, *args):
+        raise AssertionError("the model is refused before its first step")
+
+
+def test_layers_its_step_would_build_are_named_with_what_to_do():
+    x = _data(12)[0]
+    parallel = kmg.multi_gpu_model(_BuiltByItsStep(), gpus=engine_gpus(2))
+    parallel.compile(optimizer="sgd")
+    with pytest.raises(RuntimeError, match=r"these of its layers are not built: encoder, "
+                                           r"decoder\. .* Build them before fit"):
+        parallel.fit(x, batch_size=4, epochs=1, verbose=0)
+
+
 # -- fit: refused before any training ---------------------------------------------
 
 

@@ -3,13 +3,13 @@ and what to do, before anything starts (Keras would fail later, or deep inside).
 
 import collections.abc
 import inspect
-import re
 
 import keras
 import numpy as np
 from keras import tree
 
 from keras_multigpu import batching
+from keras_multigpu._build_errors import _does_not_fit, _input_rows
 
 
 def _takes_text(model, engine_can):
@@ -19,137 +19,6 @@ def _takes_text(model, engine_can):
     inputs = tree.flatten(getattr(model, "inputs", None) or [])
     return engine_can and (not inputs or any(
         getattr(t, "dtype", None) == "string" for t in inputs))
-
-
-def _rows_not_first(template, data_batch, error):
-    """A clearer error where a model with its own `train_step` cannot be built from the
-    batch it is fed (`error`, Keras's ValueError), an array of which has more axes than
-    the model's input, else None.
-
-    Such a step may take a batch whose first axis is not the samples (the anchors and
-    positives of a metric-learning example stacked on axis 0, `data[0]` and `data[1]`):
-    one device never calls the model on the batch, but any data-parallel engine splits
-    the batch along its first axis, one share per device.
-    """
-    if type(template).train_step is keras.Model.train_step:
-        return None
-    x = data_batch[0] if isinstance(data_batch, (tuple, list)) else data_batch
-    inputs = tree.flatten(getattr(template, "inputs", None) or [])
-    arrays = tree.flatten(x)
-    if len(inputs) != len(arrays) or not any(  # else Keras's error says what is wrong
-            len(getattr(a, "shape", ())) > len(i.shape) for a, i in zip(arrays, inputs)):
-        return None
-    shapes = tree.map_structure(lambda t: tuple(getattr(t, "shape", ())), x)
-    return ValueError(
-        f"{type(template).__name__} has its own train_step, and the model cannot take the "
-        f"batch it is fed: x of shape {shapes}. keras-multigpu, like any data-parallel "
-        "engine, reads the first axis of every array as the samples, splits it among the "
-        "devices, and builds the model, its loss and metrics from a batch. A batch whose "
-        "first axis is not its samples (anchors and positives stacked on axis 0, read as "
-        "data[0] and data[1]) cannot be split: feed batches whose arrays each have the "
-        f"samples first, or train this model without the wrapper. Keras said: {error}"
-    )
-
-
-def _rows(data, tensors, names):
-    """The row shapes of `data`'s arrays in the order of `tensors` (the model's inputs or
-    outputs; a dict of arrays is matched by `names`, as Keras matches it), of `tensors`,
-    and whether any pair differs; None where they cannot be paired or a shape is of
-    unknown rank."""
-    try:
-        if isinstance(data, dict):
-            if not names or any(n not in data for n in names):
-                return None
-            data = [data[n] for n in names]
-        arrays = tree.flatten(data)
-        rows = [tuple(getattr(a, "shape", ()))[1:] for a in arrays]
-        takes = [tuple(t.shape)[1:] for t in tensors]
-    except (TypeError, ValueError):
-        return None
-    if len(rows) != len(takes):
-        return None
-
-    def fits(r, t):  # Keras adds a last axis of 1 to an array of one axis fewer
-        r = r + (1,) if len(r) + 1 == len(t) and t[-1:] == (1,) else r
-        return len(r) == len(t) and all(a is None or b is None or a == b for a, b in zip(r, t))
-
-    return rows, takes, [not fits(r, t) for r, t in zip(rows, takes)]
-
-
-def _input_rows(template, x):
-    """`_rows` of `x` against the model's declared inputs, or None (none declared)."""
-    inputs = tree.flatten(getattr(template, "inputs", None) or [])
-    return _rows(x, inputs, [i.name for i in inputs]) if inputs else None
-
-
-def _does_not_fit(template, rows, takes):
-    return (f"x does not fit {type(template).__name__} {template.name!r}: each row of x has "
-            f"the shape {_one(rows)}, and the model's input takes rows of the shape "
-            f"{_one(takes)}.")
-
-
-def _input_mismatch(template, data_batch, error):
-    """One line where the batch's arrays do not fit the model's inputs (Keras's own error,
-    `error`, wraps it in the model's call: ANSI codes and an "Arguments received" block),
-    naming the shapes of the rows both have, else None (a model without declared inputs,
-    or whose inputs x fits: a layer inside the model is what is wrong)."""
-    said = next((line for line in str(error).splitlines() if "is incompatible with" in line),
-                None)
-    x = data_batch[0] if isinstance(data_batch, (tuple, list)) else data_batch
-    found = _input_rows(template, x) if said else None
-    if found is None or not any(found[2]):
-        return None
-    rows, takes, _ = found
-    said = _plain(said)
-    return ValueError(
-        f"{_does_not_fit(template, rows, takes)} Keras said: {said.rstrip('.')}. Pass x "
-        "whose rows have the shape the model takes, or build the model for x's.")
-
-
-def _target_mismatch(template, data_batch, error):
-    """One line where building the loss failed on a shape (a framework's error from inside
-    the loss: JAX's "sub got incompatible shapes", torch's "The size of tensor a") and the
-    batch's targets do not have the rows of the model's outputs, naming both, else None.
-    Targets of one column, or of fewer axes (class indices for a sparse loss), are left to
-    Keras."""
-    text = _plain(str(error))
-    outputs = tree.flatten(getattr(template, "outputs", None) or [])
-    if not (isinstance(error, (ValueError, TypeError, RuntimeError)) and re.search(
-            r"shape|size|[Dd]imension", text) and isinstance(data_batch, (tuple, list))
-            and len(data_batch) > 1 and outputs):
-        return None
-    found = _rows(data_batch[1], outputs, getattr(template, "output_names", None))
-    if found is None or not any(
-            differs and len(t) == len(g) and t[-1:] != (1,)
-            for t, g, differs in zip(*found)):
-        return None
-    targets, gives, _ = found
-    said = next(iter(text.splitlines()), "")
-    return ValueError(
-        f"fit could not build {type(template).__name__} {template.name!r}'s loss from the "
-        f"first batch, whose y does not have the rows of the model's output: each row of y "
-        f"has the shape {_one(targets)}, and the model's output gives rows of the shape "
-        f"{_one(gives)}. {type(error).__name__}: {said.rstrip('.')}. Pass y whose rows have "
-        "the output's shape, or a loss that takes y's (a sparse loss takes class indices).")
-
-
-def _build_error(template, data_batch, error):
-    """A clearer error where the model cannot be built from the batch it is fed, or None."""
-    if isinstance(error, ValueError):
-        clearer = _rows_not_first(template, data_batch, error) or _input_mismatch(
-            template, data_batch, error)
-        if clearer is not None:
-            return clearer
-    return _target_mismatch(template, data_batch, error)
-
-
-def _plain(text):
-    """`text` without the ANSI codes Keras's errors set words in bold with."""
-    return re.sub(r"\x1b\[[0-9;]*m", "", text).strip()
-
-
-def _one(shapes):
-    return shapes[0] if len(shapes) == 1 else shapes
 
 
 def _checked_step_result(template, step, result, stateless):

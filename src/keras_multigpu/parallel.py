@@ -24,9 +24,9 @@ from keras import tree
 
 from keras_multigpu import _keras, backends, batching, launch, processes
 from keras_multigpu import devices as devices_lib
+from keras_multigpu._build_errors import _build_error
 from keras_multigpu._calls import Calls
 from keras_multigpu._checks import (
-    _build_error,
     _builds_in_its_step,
     _check_batch_state,
     _check_gradient_accumulation,
