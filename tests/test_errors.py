@@ -11,7 +11,7 @@ import pytest
 
 import keras_multigpu as kmg
 from conftest import TORCH_WORLD, PerProcess, engine_gpus, per_process, stateful_model
-from keras_multigpu import interrupt
+from keras_multigpu import interrupt, processes
 
 pytestmark = pytest.mark.ranks(TORCH_WORLD)
 
@@ -344,17 +344,19 @@ def test_a_path_that_is_not_one_is_refused(parallel, method, suffixes):
 
 
 def test_save_without_overwrite_onto_an_existing_file(parallel, tmp_path):
-    target = tmp_path / "model.keras"
+    # A file per process (torch's share tmp_path): one's write_bytes truncates the file
+    # another reads. Each refuses before any process writes.
+    target = tmp_path / f"model-{processes.rank()}.keras"
     target.write_bytes(b"keep me")
     with pytest.raises(FileExistsError, match=r"overwrite=False") as info:
         parallel.save(target, overwrite=False)
-    assert "model.keras" in str(info.value)
+    assert target.name in str(info.value)
     assert target.read_bytes() == b"keep me"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.keras"]
+    assert all(p.name.startswith("model-") for p in tmp_path.iterdir())  # no temporary
 
 
 def test_save_weights_without_overwrite_onto_an_existing_file(parallel, tmp_path):
-    target = tmp_path / "model.weights.h5"
+    target = tmp_path / f"model-{processes.rank()}.weights.h5"  # as above
     target.write_bytes(b"keep me")
     with pytest.raises(FileExistsError, match=r"overwrite=False"):
         parallel.save_weights(target, overwrite=False)
