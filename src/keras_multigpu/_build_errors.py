@@ -7,6 +7,8 @@ import re
 import keras
 from keras import tree
 
+from keras_multigpu._checks import _does_not_fit, _input_rows, _one, _rows
+
 
 def _rows_not_first(template, data_batch, error):
     """A clearer error where a model with its own `train_step` cannot be built from the
@@ -36,43 +38,6 @@ def _rows_not_first(template, data_batch, error):
         "data[0] and data[1]) cannot be split: feed batches whose arrays each have the "
         f"samples first, or train this model without the wrapper. Keras said: {error}"
     )
-
-
-def _rows(data, tensors, names):
-    """The row shapes of `data`'s arrays in the order of `tensors` (the model's inputs or
-    outputs; a dict of arrays is matched by `names`, as Keras matches it), of `tensors`,
-    and whether any pair differs; None where they cannot be paired or a shape is of
-    unknown rank."""
-    try:
-        if isinstance(data, dict):
-            if not names or any(n not in data for n in names):
-                return None
-            data = [data[n] for n in names]
-        arrays = tree.flatten(data)
-        rows = [tuple(getattr(a, "shape", ()))[1:] for a in arrays]
-        takes = [tuple(t.shape)[1:] for t in tensors]
-    except (TypeError, ValueError):
-        return None
-    if len(rows) != len(takes):
-        return None
-
-    def fits(r, t):  # Keras adds a last axis of 1 to an array of one axis fewer
-        r = r + (1,) if len(r) + 1 == len(t) and t[-1:] == (1,) else r
-        return len(r) == len(t) and all(a is None or b is None or a == b for a, b in zip(r, t))
-
-    return rows, takes, [not fits(r, t) for r, t in zip(rows, takes)]
-
-
-def _input_rows(template, x):
-    """`_rows` of `x` against the model's declared inputs, or None (none declared)."""
-    inputs = tree.flatten(getattr(template, "inputs", None) or [])
-    return _rows(x, inputs, [i.name for i in inputs]) if inputs else None
-
-
-def _does_not_fit(template, rows, takes):
-    return (f"x does not fit {type(template).__name__} {template.name!r}: each row of x has "
-            f"the shape {_one(rows)}, and the model's input takes rows of the shape "
-            f"{_one(takes)}.")
 
 
 def _input_mismatch(template, data_batch, error):
@@ -156,7 +121,3 @@ def _built_in_its_step(template, error):
 def _plain(text):
     """`text` without the ANSI codes Keras's errors set words in bold with."""
     return re.sub(r"\x1b\[[0-9;]*m", "", text).strip()
-
-
-def _one(shapes):
-    return shapes[0] if len(shapes) == 1 else shapes

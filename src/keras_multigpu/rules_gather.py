@@ -143,11 +143,17 @@ def _voted(replica, rows, tensors, what):
     mine = keras.ops.stop_gradient(keras.ops.stack(
         [keras.ops.convert_to_tensor(float(r)) for r in rows]
         + [keras.ops.cast(keras.ops.sum(x), "float32") for x in tensors]))
-    slot = keras.ops.one_hot(replica.index, replica.replicas, dtype="float32")
-    every = keras.ops.convert_to_numpy(replica.all_reduce([slot[:, None] * mine[None]],
-                                                          what)[0])
+    every = every_replicas(replica, mine, what)
     found, sums = every[:, :len(rows)], every[:, len(rows):]
     return list(found.all(axis=0) & (sums != sums[:1]).any(axis=0))
+
+
+def every_replicas(replica, values, what):
+    """Every replica's float32 vector `values`, one row per replica, as NumPy (one small
+    all-reduce, which every replica must join)."""
+    slot = keras.ops.one_hot(replica.index, replica.replicas, dtype="float32")
+    return keras.ops.convert_to_numpy(replica.all_reduce([slot[:, None] * values[None]],
+                                                         what)[0])
 
 
 def classes_defining(base, name):

@@ -8,7 +8,7 @@ import inspect
 import keras
 
 from keras_multigpu._keras import seed_generator
-from keras_multigpu.rules_gather import gather, own_rows, rows_of, voted
+from keras_multigpu.rules_gather import every_replicas, gather, own_rows, rows_of, voted
 
 
 class Drawn(seed_generator.SeedGenerator):
@@ -92,10 +92,8 @@ def _eager_blocks(replica, rows, seed):
         if k == n or (k and rows % k) or bool(k) != bool(rows):
             return 0
         return rows // k if k else 1
-    slot = keras.ops.one_hot(replica.index, replica.replicas, dtype="float32")
-    every = keras.ops.convert_to_numpy(replica.all_reduce(
-        [slot[:, None] * keras.ops.convert_to_tensor([float(rows), float(k)])[None]],
-        "all-reduce of a draw's rows")[0]).astype(int)
+    every = every_replicas(replica, keras.ops.convert_to_tensor([float(rows), float(k)]),
+                           "all-reduce of a draw's rows").astype(int)
     blocks = {int(r // kr) for r, kr in every if kr}
     if len(blocks) != 1 or not all(r == kr * (r // max(kr, 1)) for r, kr in every):
         return 0
