@@ -704,6 +704,34 @@ def test_torchs_own_draws_in_a_step_equal_one_device(gpus):
     _assert_same(*runs)
 
 
+def _tied_pooling():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([
+        keras.Input((4, 4, 4, 1)),
+        keras.layers.Conv3DTranspose(2, 2, strides=2),
+        keras.layers.MaxPooling3D(2),
+        keras.layers.Conv3D(2, 1, activation="relu", bias_initializer="ones"),
+        keras.layers.MaxPooling3D(2),
+        keras.layers.Flatten(),
+        keras.layers.Dense(3, activation="softmax"),
+    ])
+
+
+@pytest.mark.parametrize("gpus", [3])
+def test_max_pooling_over_tied_maxima_equals_one_device(gpus):
+    """Windows whose maxima tie (a convolution's outputs over a region of zeros are its
+    bias alone): one device's TensorFlow step gives a window's gradient to one of them. The
+    pooling that guards a TensorFlow replica dealt no rows ran in a `tf.cond`, where
+    MaxPool3D gives it to each: the bias's update was 7 times one device's. 8 rows in
+    batches of 3 leave a replica with none."""
+    rng = np.random.default_rng(8)
+    x = rng.random((8, 4, 4, 4, 1), dtype="float32")
+    x[:, :2] = 0.0
+    runs = [_train(count, 8, 3, build=_tied_pooling, data=(x, np.arange(8) % 3))
+            for count in (None, gpus)]
+    _assert_same(*runs)
+
+
 @pytest.mark.parametrize("gpus", [3])
 @pytest.mark.parametrize("loss", ["dice", "tversky"])
 def test_a_loss_of_one_value_for_the_batch_equals_one_device(gpus, loss):

@@ -7,7 +7,13 @@ smaller than the device count leaves a replica with none; that replica runs
 on zero rows and weighs nothing. A replica keeps the rows marked with its
 index: its part of a distributed dataset (`fit`), or its run of the whole
 batch that Keras's `*_on_batch` hand every replica.
+
+A replica dealt no rows runs some of TensorFlow's ops on one row of zeros and keeps none
+of it, where TensorFlow's own fail on zero rows: convolutions (`any_rows`), max pooling
+(`pooled`) and `TimeDistributed` over a time axis of unknown length (`time_distributed`).
 """
+
+import functools
 
 import keras
 import numpy as np
@@ -96,3 +102,68 @@ def _counts(data):
     first = next(leaf for leaf in tree.flatten(data) if leaf is not None)
     k = tf.shape(first)[0]
     return k, k * replicas, replica * k
+
+
+@functools.cache
+def empty_convolution_misshaped():
+    """Whether TensorFlow's CPU convolution gives an empty batch the wrong shape.
+
+    With oneDNN (x86 CPUs with AVX-512, TensorFlow 2.20 and 2.21), a convolution of zero
+    rows returns its input's shape: (0, 16, 3) for 8 filters. A replica dealt no rows
+    (a batch smaller than the device count) then fails at the next layer.
+    """
+    with tf.device("/cpu:0"):
+        out = tf.nn.convolution(tf.zeros((0, 4, 3)), tf.zeros((3, 3, 2)), padding="SAME")
+    return out.shape[-1] != 2
+
+
+def any_rows(replica, original, inputs, *args, **kwargs):
+    """Keras's convolution `original`, shaped right for a replica with no rows too: on
+    zero rows it convolves one row of zeros and keeps none of it.
+
+    The row is made from the inputs' shape alone: padded onto the inputs, TensorFlow's
+    graph optimizer took `conv(pad(x))[:0]` back to `conv(x)` in a step without gradients
+    (evaluate, predict), and the empty batch was misshaped again."""
+
+    def run(x):
+        return original(x, *args, **kwargs)
+
+    return _on_rows(tf.convert_to_tensor(inputs), run, run)
+
+
+def pooled(replica, original, inputs, *args, **kwargs):
+    """Keras's max pooling `original` on a replica's rows, and on no rows too: oneDNN's
+    gradient of max pooling aborts the process on zero rows ("Check failed: dtype() ==
+    expected_dtype" in MklMaxPoolingGradOp, TensorFlow 2.21; no probe can try it without
+    aborting, so it is guarded everywhere). A replica with no rows pools one row of zeros
+    and keeps none of it, added to its inputs rather than chosen by a `tf.cond`: in a
+    branch, TensorFlow's MaxPool3D gives a window's gradient to each of its tied maxima,
+    where the step's own op (oneDNN's) gives it to one, as one device's step does."""
+    inputs = tf.convert_to_tensor(inputs)
+    rows = tf.shape(inputs)[0]
+    zeros = tf.zeros(tf.concat([[1 - tf.minimum(rows, 1)], tf.shape(inputs)[1:]], 0),
+                     inputs.dtype)
+    return original(tf.concat([inputs, zeros], 0), *args, **kwargs)[:rows]
+
+
+def _on_rows(inputs, run, run_one_row):
+    """`run(inputs)` where `inputs` has rows; on none, `run_one_row` of one row of zeros,
+    made from the inputs' shape alone (see `any_rows`), keeping none of its rows."""
+
+    def one_row():
+        zeros = tf.zeros(tf.concat([[1], tf.shape(inputs)[1:]], 0), inputs.dtype)
+        return run_one_row(zeros)[:0]
+
+    return tf.cond(tf.shape(inputs)[0] > 0, lambda: run(inputs), one_row)
+
+
+def time_distributed(replica, original, layer, inputs, *args, **kwargs):
+    """Keras's `TimeDistributed.call` (`original`), which maps its layer over a time axis of
+    unknown length with TensorFlow's `vectorized_map`: that fails on a replica with no rows
+    ("Tried to stack elements of an empty list"), which then maps one row of zeros (no
+    mask) and keeps none of it, as `any_rows` convolves one."""
+    inputs = tf.convert_to_tensor(inputs)
+    if inputs.shape.rank is None or inputs.shape.rank < 2 or inputs.shape[1] is not None:
+        return original(layer, inputs, *args, **kwargs)
+    return _on_rows(inputs, lambda x: original(layer, x, *args, **kwargs),
+                    lambda x: original(layer, x, *args, **{**kwargs, "mask": None}))

@@ -7,7 +7,6 @@ several workers, Keras's scalar reduction across them.
 """
 
 import contextlib
-import functools
 import threading
 
 import keras
@@ -20,7 +19,7 @@ from keras_multigpu._keras.tensorflow import DRAWS, device_datasets
 from keras_multigpu._keras.tensorflow import optimizer as tf_optimizer
 from keras_multigpu._keras.tensorflow import random as tf_random
 from keras_multigpu._keras.tensorflow import trainer as tf_trainer
-from keras_multigpu.backends import _tf_grads, _tf_seeds, _tf_xla
+from keras_multigpu.backends import _tf_batches, _tf_grads, _tf_seeds, _tf_xla
 
 # Inside a replica's step: `state`, its `rules.Replica` (k, n, start as int32 tensors).
 _replica = threading.local()
@@ -259,65 +258,13 @@ def _reduce_per_replica(replica, original, values, strategy, reduction):
     return tree.map_structure(reduce, values)
 
 
-@functools.cache
-def _empty_convolution_misshaped():
-    """Whether TensorFlow's CPU convolution gives an empty batch the wrong shape.
-
-    With oneDNN (x86 CPUs with AVX-512, TensorFlow 2.20 and 2.21), a convolution of zero
-    rows returns its input's shape: (0, 16, 3) for 8 filters. A replica dealt no rows
-    (a batch smaller than the device count) then fails at the next layer.
-    """
-    with tf.device("/cpu:0"):
-        out = tf.nn.convolution(tf.zeros((0, 4, 3)), tf.zeros((3, 3, 2)), padding="SAME")
-    return out.shape[-1] != 2
-
-
-def _any_rows(replica, original, inputs, *args, **kwargs):
-    """Keras's convolution `original`, shaped right for a replica with no rows too: on
-    zero rows it convolves one row of zeros and keeps none of it.
-
-    The row is made from the inputs' shape alone: padded onto the inputs, TensorFlow's
-    graph optimizer took `conv(pad(x))[:0]` back to `conv(x)` in a step without gradients
-    (evaluate, predict), and the empty batch was misshaped again."""
-
-    def run(x):
-        return original(x, *args, **kwargs)
-
-    return _on_rows(tf.convert_to_tensor(inputs), run, run)
-
-
-def _on_rows(inputs, run, run_one_row):
-    """`run(inputs)` where `inputs` has rows; on none, `run_one_row` of one row of zeros,
-    made from the inputs' shape alone (see `_any_rows`), keeping none of its rows."""
-
-    def one_row():
-        zeros = tf.zeros(tf.concat([[1], tf.shape(inputs)[1:]], 0), inputs.dtype)
-        return run_one_row(zeros)[:0]
-
-    return tf.cond(tf.shape(inputs)[0] > 0, lambda: run(inputs), one_row)
-
-
-def _time_distributed(replica, original, layer, inputs, *args, **kwargs):
-    """Keras's `TimeDistributed.call` (`original`), which maps its layer over a time axis of
-    unknown length with TensorFlow's `vectorized_map`: that fails on a replica with no rows
-    ("Tried to stack elements of an empty list"), which then maps one row of zeros (no
-    mask) and keeps none of it, as `_any_rows` convolves one."""
-    inputs = tf.convert_to_tensor(inputs)
-    if inputs.shape.rank is None or inputs.shape.rank < 2 or inputs.shape[1] is not None:
-        return original(layer, inputs, *args, **kwargs)
-    return _on_rows(inputs, lambda x: original(layer, x, *args, **kwargs),
-                    lambda x: original(layer, x, *args, **{**kwargs, "mask": None}))
-
-
 def _rules_table():
     convolutions = ("conv", "depthwise_conv", "separable_conv", "conv_transpose")
-    if not _empty_convolution_misshaped():
+    if not _tf_batches.empty_convolution_misshaped():
         convolutions = ()
-    # Max pooling's gradient on zero rows aborts the process under oneDNN, TensorFlow's CPU
-    # default on x86 ("Check failed: dtype() == expected_dtype" in MklMaxPoolingGradOp,
-    # TensorFlow 2.21), which no probe can try without aborting: it is guarded everywhere.
     return [
-        *((_keras.backend.nn, name, _any_rows, _step) for name in (*convolutions, "max_pool")),
+        *((_keras.backend.nn, name, _tf_batches.any_rows, _step) for name in convolutions),
+        (_keras.backend.nn, "max_pool", _tf_batches.pooled, _step),
         (tf.GradientTape, "gradient", _tf_grads.tape_gradient, _step),
         (tf_optimizer.TFOptimizer, "apply", _apply, _step),
         (keras.optimizers.LossScaleOptimizer, "apply", _loss_scale_apply, _step),
@@ -326,7 +273,7 @@ def _rules_table():
         (loss_module, "scale_loss_for_distribution", _scale, _step),
         (loss_module, "unscale_loss_for_distribution", _scale, _step),
         (keras.layers.Layer, "add_loss", _add_loss, _step),
-        (keras.layers.TimeDistributed, "call", _time_distributed, _step),
+        (keras.layers.TimeDistributed, "call", _tf_batches.time_distributed, _step),
         (keras.layers.Layer, "_get_own_losses", _own_losses, _step),
         (keras.layers.Layer, "_clear_losses", _clear_losses, _step),
         (seed_generator, "global_seed_generator", _tf_seeds.global_generator,
