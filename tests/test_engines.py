@@ -704,6 +704,55 @@ def test_torchs_own_draws_in_a_step_equal_one_device(gpus):
     _assert_same(*runs)
 
 
+class _Routed(keras.layers.Layer):
+    """Each row goes to one of two experts by the sign of its first feature; an expert that
+    no row goes to is skipped (a Mixture-of-Experts pattern), so it has no gradient."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.experts = [keras.layers.Dense(4), keras.layers.Dense(4)]
+
+    def build(self, shape):
+        for expert in self.experts:
+            expert.build(shape)
+
+    def call(self, x):
+        first = x[:, 0] > 0
+        out = keras.ops.zeros((keras.ops.shape(x)[0], 4))
+        for mask, expert in zip((first, keras.ops.logical_not(first)), self.experts):
+            if bool(keras.ops.any(mask)):  # a Python choice: eager steps alone (torch's)
+                out = keras.ops.where(mask[:, None], expert(x), out)
+        return out
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="a layer that chooses in Python, on its "
+                    "rows' values: torch's eager steps alone run it")
+@pytest.mark.parametrize("gpus", [2])
+def test_an_expert_that_one_process_skips_equals_one_device(gpus):
+    """Process 0's rows all go to the first expert, process 1's to both: the second
+    expert's weights have a gradient on process 1 and none on process 0. The first step's
+    all-reduce summed the gradients each process had, in order: buffers of different sizes,
+    and gloo aborted both processes (of one size, another variable's gradients would have
+    been summed with them). Later steps' buckets gave process 0 none, so it kept its expert
+    as it was while process 1 updated its own: the processes parted (a probe's weights, 0.01
+    and 0.14 from one device's). Each now takes the sum, with zeros where it has none."""
+    x = np.random.default_rng(9).normal(size=(16, 6)).astype("float32")
+    x[:4, 0] = np.abs(x[:4, 0]) + 0.1  # batches of 8: process 0's 4 rows, expert 0 only
+    x[8:12, 0] = np.abs(x[8:12, 0]) + 0.1
+
+    def build():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([keras.Input((6,)), _Routed(), keras.layers.Dense(3)])
+
+    def compile(model):
+        model.compile(optimizer=keras.optimizers.Adam(0.01),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+    runs = [_train(count, 16, 8, epochs=3, build=build, compile=compile,
+                   data=(x, np.arange(16) % 3)) for count in (None, gpus)]
+    _assert_same(*runs)
+
+
 def _tied_pooling():
     keras.utils.set_random_seed(0)
     return keras.Sequential([

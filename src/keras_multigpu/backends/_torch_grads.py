@@ -91,11 +91,22 @@ def grad(replica, original, outputs, inputs, *args, **kwargs):
     return grads
 
 
-def weighed_sums(replica, grads):
+def weighed_sums(replica, grads, variables=None):
     """`grads` (None kept) weighed by k / n and summed across processes, in one all-reduce:
-    one device's gradients, from each process's gradients of its mean."""
+    one device's gradients, from each process's gradients of its mean.
+
+    Given the `variables`, a gradient that some processes have and others do not (a branch
+    their own rows chose, an `ops.cond` on them) is zeros on the others, and every process
+    takes the sum, so that they update alike; it stays None where no process has it."""
     from keras_multigpu.backends import torch as engine  # it imports this module
 
+    if variables is not None and len(variables) == len(grads) and grads:
+        with torch.no_grad():
+            full = [rules.weigh_gradient(replica, g) if g is not None
+                    else torch.zeros_like(v.value) for g, v in zip(grads, variables)]
+            have = torch.tensor([float(g is not None) for g in grads], device=full[0].device)
+            *summed, have = engine._flat_all_reduce([*full, have], "all-reduce of the gradients")
+        return [s if h > 0 else None for s, h in zip(summed, have.tolist())]
     present = [g for g in grads if g is not None]
     if not present:
         return list(grads)

@@ -5,7 +5,9 @@ about 25 MiB each, a small last one, in reverse order, so that the first to fill
 last layer's). A hook on each parameter (`register_post_accumulate_grad_hook`) notes its
 gradient once the backward pass has accumulated it; a bucket whose gradients are all
 there is weighed by k / n (`rules.weigh_gradient`) and all-reduced asynchronously while the
-backward pass goes on, buckets in the same order on every process. `Optimizer.apply`
+backward pass goes on, buckets in the same order on every process, with a count of the
+processes that have each gradient: one that only some have (a branch their own rows chose)
+is the sum on every process, so that they update alike. `Optimizer.apply`
 then waits for them (`take`) and applies the sums.
 
 The overlap is for Keras's own step, which hands `apply` the parameters' own `.grad`
@@ -96,7 +98,9 @@ class Reducer:
                 return
             parts = [self.seen[i][0].reshape(-1) if i in self.seen else
                      torch.zeros_like(self.params[i]).reshape(-1) for i in bucket]
-            flat = rules.weigh_gradient(self.replica, torch.cat(parts))
+            have = torch.tensor([float(i in self.seen) for i in bucket], dtype=parts[0].dtype,
+                                device=parts[0].device)  # which processes have each
+            flat = torch.cat([rules.weigh_gradient(self.replica, torch.cat(parts)), have])
             work = self.collective("all-reduce of the gradients", dist.all_reduce, flat,
                                    async_op=True)
             self.works.append((b, flat, work))
@@ -123,11 +127,11 @@ class Reducer:
         reduced = list(grads)
         for b, flat, work in self.works:
             self.collective("all-reduce of the gradients", work.wait)
-            offset = 0
-            for i in self.buckets[b]:
+            offset, have = 0, flat[-len(self.buckets[b]):].tolist()
+            for i, had in zip(self.buckets[b], have):
                 size = self.params[i].numel()
-                if grads[i] is not None:
-                    reduced[i] = flat[offset:offset + size].view_as(grads[i])
+                if had > 0:  # a gradient some process has: every process takes the sum
+                    reduced[i] = flat[offset:offset + size].view_as(self.params[i])
                 offset += size
         self._reset()
         self.replica = None  # this step's gradients are taken: a later backward pass in

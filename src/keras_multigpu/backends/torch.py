@@ -296,7 +296,7 @@ def _apply(replica, original, self, grads, trainable_variables=None):
     else:
         reduced = None if reducer is None else reducer.take(grads, trainable_variables)
     if reduced is None:
-        reduced = _torch_grads.weighed_sums(replica, grads)
+        reduced = _torch_grads.weighed_sums(replica, grads, trainable_variables)
         if reducer is None and trainable_variables is not None and replica.own_step:
             reducers[id(self)] = Reducer(trainable_variables, _collective)
     grads = reduced
