@@ -106,6 +106,8 @@ def weighed_sums(replica, grads, variables=None):
                     else torch.zeros_like(v.value) for g, v in zip(grads, variables)]
             have = torch.tensor([float(g is not None) for g in grads], device=full[0].device)
             *summed, have = engine._flat_all_reduce([*full, have], "all-reduce of the gradients")
+        if all(g is not None for g in grads):  # the counts are read only where one lacks
+            return summed
         return [s if h > 0 else None for s, h in zip(summed, have.tolist())]
     present = [g for g in grads if g is not None]
     if not present:

@@ -127,10 +127,14 @@ class Reducer:
         reduced = list(grads)
         for b, flat, work in self.works:
             self.collective("all-reduce of the gradients", work.wait)
-            offset, have = 0, flat[-len(self.buckets[b]):].tolist()
-            for i, had in zip(self.buckets[b], have):
+            bucket, offset = self.buckets[b], 0
+            # The counts are read (a wait for the device) only where this process lacks a
+            # gradient: one that another process has is the sum here too.
+            have = (flat[-len(bucket):].tolist() if any(grads[i] is None for i in bucket)
+                    else [1] * len(bucket))
+            for i, had in zip(bucket, have):
                 size = self.params[i].numel()
-                if had > 0:  # a gradient some process has: every process takes the sum
+                if had > 0:
                     reduced[i] = flat[offset:offset + size].view_as(self.params[i])
                 offset += size
         self._reset()
