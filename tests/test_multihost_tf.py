@@ -259,6 +259,69 @@ def test_a_ctrl_c_on_one_worker_stops_every_worker_at_the_same_step(tmp_path):
     assert results == [{"stopped": True, "batches": 5}] * 2, results
 
 
+FAULT = """
+import json, os, signal, sys, time
+
+import numpy as np
+
+import keras_multigpu
+import keras
+
+index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+fault, victim = sys.argv[3], int(sys.argv[4])
+keras.utils.set_random_seed(0)
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+parallel = keras_multigpu.multi_gpu_model(model)
+parallel.compile(optimizer="sgd", loss="mse")
+
+
+class Fault(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if index == victim and batch == 4:
+            if fault == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(600)  # hangs: its heartbeats go on
+
+
+parallel.fit(np.ones((400, 4)), np.ones((400, 2)), batch_size=8, epochs=1, verbose=0,
+             callbacks=[Fault()])
+"""
+
+
+@pytest.mark.parametrize("fault, victim", [("hang", 1), ("kill", 1), ("kill", 0)])
+def test_a_worker_that_hangs_or_dies_stops_the_other_with_its_name(tmp_path, fault, victim):
+    """The other worker stops within KERAS_MULTIGPU_TIMEOUT with an error that says what
+    happened: it waited for ever in the step's all-reduce for a worker that hangs (whose
+    heartbeats go on), and a worker that died showed TensorFlow's error from a variable
+    read after the step."""
+    script = tmp_path / "fault.py"
+    script.write_text(textwrap.dedent(FAULT))
+    ports = _ports(2)
+    processes = [subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path), str(tmp_path), fault, str(victim)],
+        cwd=tmp_path, env=_env(1, TF_CONFIG=_tf_config(ports, i), KERAS_MULTIGPU_TIMEOUT="20"),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    other = processes[1 - victim]
+    start = time.monotonic()
+    output, _ = other.communicate(timeout=150)
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+        process.communicate()
+    assert other.returncode != 0, output[-4000:]
+    assert time.monotonic() - start < 120
+    waited = ("CollectiveError: Process 0 of 2 waited 20 s (KERAS_MULTIGPU_TIMEOUT) for "
+              "process 1 at the step boundary")
+    lost = (f"CollectiveError: Process {1 - victim} of 2: the store the processes share "
+            "(process 0 holds it) failed at the step boundary")
+    if victim == 0:  # worker 0 holds the coordination service
+        assert lost in output, output[-4000:]
+    elif fault == "hang":
+        assert waited in output, output[-4000:]
+    else:  # the coordination service may report the dead worker before the timeout
+        assert waited in output or lost in output, output[-4000:]
+
+
 def test_a_worker_that_never_joins_is_an_error(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(PROGRAM))

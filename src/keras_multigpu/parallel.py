@@ -212,8 +212,14 @@ class ParallelModel(Calls, TemplateFace, keras.Model):
             if not self._active:
                 if backends.has(self._backend, "release"):
                     variables, optimizers = self._state()
-                    self._backend.release(variables, self._distribution, optimizers=optimizers,
-                                          failed=failed)
+                    try:
+                        self._backend.release(variables, self._distribution,
+                                              optimizers=optimizers, failed=failed)
+                    except Exception:
+                        # The call's own error says what went wrong (a worker that
+                        # stopped leaves every later read failing too): it goes on.
+                        if not failed:
+                            raise
 
     def reset_metrics(self):
         # Keras resets metrics at every epoch and evaluate with fresh arrays on

@@ -28,6 +28,7 @@ import functools
 import json
 import os
 import sys
+import time
 import warnings
 
 import keras
@@ -151,13 +152,27 @@ def _put(key, value):
     return [f"{key}/{i}" for i in range(len(chunks))] + [f"{key}/count"]
 
 
+def _lost(what, error):
+    """The `CollectiveError` of a store that failed before its timeout: a process has
+    stopped (process 0, which holds it: torch's TCPStore, JAX's coordinator, TensorFlow's
+    coordination service; or one the store reports)."""
+    said = str(error).strip().splitlines()
+    return CollectiveError(
+        f"Process {_store.rank} of {_store.count}: the store the processes share (process 0 "
+        f"holds it) failed at {what}, before {TIMEOUT_ENV}: a process has stopped (see the "
+        f"others' output). The store said: {said[0] if said else type(error).__name__}")
+
+
 def _take(key, what, writer):
     """The value `writer` put under `key`, or a `CollectiveError` naming the wait."""
     timeout = collective_timeout()
+    start = time.monotonic()
     try:
         chunks = int(_store.get(f"{key}/count", timeout))
         return "".join(_store.get(f"{key}/{i}", timeout) for i in range(chunks))
     except Exception as error:  # noqa: BLE001 (each engine's store has its own errors)
+        if time.monotonic() - start < 0.9 * timeout:
+            raise _lost(what, error) from error
         raise CollectiveError(
             f"Process {_store.rank} of {_store.count} waited {timeout:g} s ({TIMEOUT_ENV}) for "
             f"process {writer} at {what}, and it did not get there: it hangs, is far behind, "
@@ -180,7 +195,10 @@ def exchange(what, value):
     if count() == 1:
         return [value]
     prefix = f"keras_multigpu/exchange/{_next('exchange')}"
-    written = _put(f"{prefix}/{_store.rank}", value)
+    try:
+        written = _put(f"{prefix}/{_store.rank}", value)
+    except Exception as error:  # noqa: BLE001 (each engine's store has its own errors)
+        raise _lost(what, error) from error
     values = [value if r == _store.rank else _take(f"{prefix}/{r}", what, r)
               for r in range(_store.count)]
     for key in _written:

@@ -195,8 +195,12 @@ def _join(spec, task_type, task_id, configure_cpu_devices):
     context.coordination_service.cluster_register_with_barrier = True
     cpu = not tf.config.list_physical_devices("GPU")
     implementation = tf.distribute.experimental.CommunicationImplementation
+    # The timeout ends a collective that waits for a worker which hangs (its heartbeats go
+    # on, so the coordination service sees nothing wrong); without it the others waited for
+    # ever. The next step boundary's stop agreement (`processes`) then names the worker.
     options = tf.distribute.experimental.CommunicationOptions(
-        implementation=implementation.RING if cpu else implementation.AUTO)
+        implementation=implementation.RING if cpu else implementation.AUTO,
+        timeout_seconds=timeout)
     local_devices = tf_collective.CollectiveAllReduceExtended._initialize_local_devices
 
     def every_cpu_device(self, resolver, worker_device):
