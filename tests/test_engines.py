@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import keras_multigpu as kmg
-from conftest import rotated
+from conftest import engine_gpus, rotated
 from keras_multigpu import backends
 
 pytestmark = pytest.mark.slow  # several processes or whole runs: not in the fast loop
@@ -779,6 +779,46 @@ def test_max_pooling_over_tied_maxima_equals_one_device(gpus):
     runs = [_train(count, 8, 3, build=_tied_pooling, data=(x, np.arange(8) % 3))
             for count in (None, gpus)]
     _assert_same(*runs)
+
+
+def _float8():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
+                              keras.layers.Dense(3, activation="softmax")])
+    model.quantize("float8")
+    return model
+
+
+@pytest.mark.parametrize("gpus", [3])
+def test_float8_training_equals_one_device_or_is_refused_where_devices_see_shares(gpus):
+    """Keras's float8 layers keep scales and amax histories that the optimizer overwrites
+    with their "gradient": the largest value over the batch. JAX's devices run one step on
+    the whole batch and train as one device. A TensorFlow replica's weighted all-reduce took
+    a weighted mean of them (weights 0.57 from one device's after 2 epochs), and a torch
+    process dealt no rows failed on the max of its empty share: there training is refused,
+    and evaluate and predict (which update none) equal one device. 10 rows in batches of 4
+    leave a device with none."""
+    rng = np.random.default_rng(3)
+    x, y = rng.normal(size=(10, 6)).astype("float32") * 4, np.arange(10) % 3
+    if backends.has(backends.current(), "whole_batch"):
+        runs = [_train(count, 10, 4, build=_float8, data=(x, y)) for count in (None, gpus)]
+        _assert_same(*runs)
+        return
+    model = _float8()
+    _compile(model)
+    one = model.evaluate(x, y, batch_size=4, verbose=0), model.predict(x, batch_size=4,
+                                                                        verbose=0)
+    parallel = kmg.multi_gpu_model(model, gpus=engine_gpus(gpus))
+    _compile(parallel)
+    np.testing.assert_allclose(parallel.evaluate(x, y, batch_size=4, verbose=0), one[0],
+                               rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(parallel.predict(x, batch_size=4, verbose=0), one[1],
+                               rtol=RTOL, atol=ATOL)
+    for train in (lambda: parallel.fit(x, y, batch_size=4, verbose=0),
+                  lambda: parallel.train_on_batch(x[:4], y[:4])):
+        with pytest.raises(ValueError, match=r"12 variable\(s\) that its optimizer "
+                           r"overwrites.*float8.*gpus=1.*JAX"):
+            train()
 
 
 @pytest.mark.parametrize("gpus", [3])

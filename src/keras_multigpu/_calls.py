@@ -18,6 +18,7 @@ from keras_multigpu._checks import (
     _split,
     _takes_text,
     check_callbacks,
+    check_overwritten,
 )
 from keras_multigpu._replica_state import StateCheck
 
@@ -65,6 +66,8 @@ class Calls:
         self._sync_compile()
         callbacks = _check_fit_arguments(epochs, initial_epoch, validation_freq, callbacks,
                                          steps_per_epoch)
+        check_overwritten(self.template, self.num_replicas, backends.has(self._backend,
+                                                                         "whole_batch"))
         if validation_split and validation_data is None:
             if not batching._is_array_like(x):
                 raise ValueError(
@@ -183,6 +186,8 @@ class Calls:
 
     def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None, return_dict=False):
         self._sync_compile()
+        check_overwritten(self.template, self.num_replicas, backends.has(self._backend,
+                                                                         "whole_batch"))
         batch = self._pad_one(x, y, sample_weight, class_weight)
         with self._placed():
             return super().train_on_batch(*batch, return_dict=return_dict)

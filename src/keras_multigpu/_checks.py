@@ -99,6 +99,27 @@ def _check_batch_state(model, replicas, whole_batch):
         )
 
 
+def check_overwritten(model, replicas, whole_batch):
+    """Refuses to train variables that the optimizer overwrites with their "gradient"
+    (Keras's float8 layers' scales and amax histories) on several replicas of an engine where
+    each sees its share of the batch (without the `whole_batch` capability)."""
+    if replicas < 2 or whole_batch:
+        return
+    names = [v.path for v in model.trainable_variables
+             if getattr(v, "overwrite_with_gradient", False)]
+    if names:
+        raise ValueError(
+            f"The model has {len(names)} variable(s) that its optimizer overwrites with their "
+            f"gradient ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}): Keras's "
+            "float8 training (model.quantize('float8')). Each holds the largest value over "
+            f"the whole batch, and on the {keras.backend.backend()} backend each device "
+            "trains on its own share, with gradients scaled for its share: those values, and "
+            "the float8 rounding they set, would not be one device's. Train it on one device "
+            "(gpus=1), or on the JAX backend, whose devices run one step on the whole batch. "
+            "evaluate and predict run on every device as they are."
+        )
+
+
 def _describe(value):
     text = repr(value)
     return text if len(text) <= 120 else text[:117] + "..."
