@@ -210,3 +210,59 @@ def test_a_step_that_never_finishes_ends_with_the_librarys_message():
     assert "FINISHED" not in result.stdout
     assert ("keras_multigpu: a training step has waited 3 s (KERAS_MULTIGPU_TIMEOUT=3) without "
             "finishing" in result.stderr), result.stderr[-3000:]
+
+
+POOLED = textwrap.dedent(
+    r"""
+    import os, sys
+    os.environ["KERAS_BACKEND"] = sys.argv[1]
+    os.environ["KERAS_MULTIGPU_CPU_DEVICES"] = "3"
+    import keras, numpy as np
+    import keras_multigpu as kmg
+
+    class Rows(keras.utils.PyDataset):
+        def __init__(self, x, y, **kwargs):
+            super().__init__(**kwargs)
+            self.x, self.y = x, y
+
+        def __len__(self):
+            return -(-len(self.x) // 5)
+
+        def __getitem__(self, index):
+            rows = slice(5 * index, 5 * index + 5)
+            return self.x[rows], self.y[rows]
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(23, 6)).astype("float32"), rng.integers(0, 3, 23)
+    weights = []
+    for gpus in (None, 3):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
+                                  keras.layers.Dense(3, activation="softmax")])
+        target = model if gpus is None else kmg.multi_gpu_model(model, gpus=gpus)
+        target.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+        pooled = dict(workers=2, use_multiprocessing=True)
+        target.fit(Rows(x, y, **pooled), epochs=2, shuffle=True, verbose=0,
+                   validation_data=Rows(x[:9], y[:9], **pooled))
+        weights.append(model.get_weights())
+    print("APART", max(float(np.abs(a - b).max()) for a, b in zip(*weights)), flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("backend", ["jax", "tensorflow"])
+def test_a_pydatasets_worker_processes_end_as_without_the_library(backend):
+    """A PyDataset with `use_multiprocessing=True` feeds from worker processes forked during
+    `fit`, and Keras ends them with SIGTERM. They took the library's deferring handler with
+    the fork: each printed "SIGTERM: stopping after the current step" and lived on, and the
+    script never exited (at exit, multiprocessing waited for them for ever, on TensorFlow).
+    A forked process now gets the earlier handlers back."""
+    try:
+        result = subprocess.run([sys.executable, "-c", POOLED, backend], capture_output=True,
+                                text=True, env=child_env(), timeout=180)
+    except subprocess.TimeoutExpired as expired:
+        pytest.fail(f"the script did not exit within 180 s: {expired.stderr}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "SIGTERM" not in result.stderr, result.stderr[-3000:]
+    apart = float(result.stdout.split("APART")[1])
+    assert apart < 1e-5

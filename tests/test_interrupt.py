@@ -3,7 +3,9 @@
 The real signals, sent to training processes, are tests/test_faults.py's,
 tests/test_checkpoint.py's and tests/test_multihost.py's."""
 
+import os
 import signal
+import warnings
 
 import pytest
 
@@ -48,3 +50,32 @@ def test_a_sigterm_handler_not_at_its_default_is_left_alone(default_handlers, ow
         assert signal.getsignal(signal.SIGTERM) is own
         assert signal.getsignal(signal.SIGINT) is interrupt._handler
     assert signal.getsignal(signal.SIGTERM) is own
+
+
+def test_a_process_forked_during_a_call_gets_the_earlier_handlers_back(default_handlers):
+    """A PyDataset's `use_multiprocessing=True` workers are forked during `fit`, and Keras ends
+    them with SIGTERM: with the deferring handler they lived on (tests/test_faults.py's
+    `test_a_pydatasets_worker_processes_end_as_without_the_library` runs them)."""
+    with interrupt.deferred(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads (3.12+)
+        child = os.fork()
+        if child == 0:  # the child: nothing but the check, then out
+            restored = (signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+                        and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+            with interrupt.deferred():  # its own call defers afresh
+                own = signal.getsignal(signal.SIGTERM) is interrupt._handler
+            os._exit(0 if restored and own else 1)
+        _, status = os.waitpid(child, 0)
+        assert signal.getsignal(signal.SIGTERM) is interrupt._handler  # this process defers
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_signal_in_another_process_acts_as_its_earlier_handler(default_handlers):
+    """Where a forked process could not take its handlers back, the deferring handler acts as
+    the earlier one would: Python's Ctrl-C raises KeyboardInterrupt at once."""
+    with interrupt.deferred():
+        interrupt._STATE.pid = os.getpid() + 1  # as in another process (the call resets it)
+        with pytest.raises(KeyboardInterrupt) as raised:
+            signal.raise_signal(signal.SIGINT)
+        assert not isinstance(raised.value, interrupt.Interrupted)
+        assert not interrupt.requested()

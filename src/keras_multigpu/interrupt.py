@@ -14,9 +14,14 @@ SIGTERM, which a scheduler sends before it takes a machine back (SLURM's preempt
 boundary (where `Checkpoint` saves), a second signal ends the process at once. Without
 this, SIGTERM ends a Python process at once, and the steps since the last save are lost.
 A handler of the script's own for SIGTERM (or SIGTERM ignored) is left as it is.
+
+Only the process that called `fit` defers: a process forked during the call (a PyDataset's
+`use_multiprocessing=True` workers, which Keras's pool ends with SIGTERM) gets the signals'
+earlier handlers back, so it ends as it would without the library.
 """
 
 import contextlib
+import os
 import signal
 import sys
 import threading
@@ -48,6 +53,9 @@ class _State:
     # A stop flag the processes already summed in a step's own collective (`agreed`),
     # which the next boundary takes instead of asking `agree`.
     agreed = None
+    # While a call defers: the process that set the handlers, and the handlers they replaced.
+    pid = None
+    previous = {}
 
 
 _STATE = _State()
@@ -72,7 +80,33 @@ def agreed(stop):
     _STATE.agreed = stop
 
 
+def _in_child():
+    """After a fork during a call: the signals' earlier handlers, in the child only, which
+    is in no call of its own (a `fit` it runs later defers afresh)."""
+    for signum, previous in _STATE.previous.items():
+        try:
+            signal.signal(signum, previous)
+        except (ValueError, OSError):  # `_handler` then acts as `previous` would
+            return
+    _STATE.depth, _STATE.signal, _STATE.pid, _STATE.previous = 0, None, None, {}
+
+
+os.register_at_fork(after_in_child=_in_child)
+
+
+def _as_before(signum, frame):
+    """A signal in a process forked during a call: what its earlier handler would do."""
+    previous = _STATE.previous.get(signum, signal.SIG_DFL)
+    if callable(previous):
+        return previous(signum, frame)
+    if previous == signal.SIG_DFL:
+        signal.signal(signum, signal.SIG_DFL)
+        signal.raise_signal(signum)
+
+
 def _handler(signum, frame):
+    if os.getpid() != _STATE.pid:
+        return _as_before(signum, frame)
     name = _NAMES[signum]
     if _STATE.signal is not None:  # the second signal: exit now, as an unhandled one does
         sys.stderr.write(f"\nSecond {name}: exiting now.\n")
@@ -110,6 +144,7 @@ def deferred():
     if previous[signal.SIGTERM] == signal.SIG_DFL:
         taken.append(signal.SIGTERM)
     _STATE.signal, _STATE.depth = None, 1
+    _STATE.pid, _STATE.previous = os.getpid(), {signum: previous[signum] for signum in taken}
     for signum in taken:
         signal.signal(signum, _handler)
     try:
@@ -118,7 +153,7 @@ def deferred():
         for signum in taken:
             signal.signal(signum, previous[signum])
         _STATE.depth = 0
-        _STATE.signal = None
+        _STATE.signal, _STATE.pid, _STATE.previous = None, None, {}
 
 
 class StopOnInterrupt(keras.callbacks.Callback):
