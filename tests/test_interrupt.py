@@ -62,11 +62,15 @@ def test_a_process_forked_during_a_call_gets_the_earlier_handlers_back(default_h
         if child == 0:  # the child: nothing but the check, then out
             restored = (signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
                         and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+            # The signals, blocked in the forking thread while it forked, are unblocked.
+            unblocked = not {signal.SIGINT, signal.SIGTERM} & signal.pthread_sigmask(
+                signal.SIG_BLOCK, [])
             with interrupt.deferred():  # its own call defers afresh
                 own = signal.getsignal(signal.SIGTERM) is interrupt._handler
-            os._exit(0 if restored and own else 1)
+            os._exit(0 if restored and unblocked and own else 1)
         _, status = os.waitpid(child, 0)
         assert signal.getsignal(signal.SIGTERM) is interrupt._handler  # this process defers
+        assert not {signal.SIGINT, signal.SIGTERM} & signal.pthread_sigmask(signal.SIG_BLOCK, [])
     assert os.waitstatus_to_exitcode(status) == 0
 
 

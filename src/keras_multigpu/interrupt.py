@@ -80,18 +80,40 @@ def agreed(stop):
     _STATE.agreed = stop
 
 
+_FORKING = threading.local()  # the forking thread's signal mask, while it forks in a call
+
+
+def _before_fork():
+    """Blocks the signals in the forking thread while it forks during a call: a child's
+    Python drops a signal caught before its `_in_child` (Keras's pool may end a worker it
+    has just forked), so the child must hold it pending until its handler is the earlier."""
+    if _STATE.previous:
+        _FORKING.mask = signal.pthread_sigmask(signal.SIG_BLOCK, set(_STATE.previous))
+
+
+def _after_in_parent():
+    mask = getattr(_FORKING, "mask", None)
+    if mask is not None:
+        _FORKING.mask = None
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
 def _in_child():
     """After a fork during a call: the signals' earlier handlers, in the child only, which
-    is in no call of its own (a `fit` it runs later defers afresh)."""
+    is in no call of its own (a `fit` it runs later defers afresh); then a signal held
+    pending since the fork lands on them."""
     for signum, previous in _STATE.previous.items():
         try:
             signal.signal(signum, previous)
         except (ValueError, OSError):  # `_handler` then acts as `previous` would
-            return
-    _STATE.depth, _STATE.signal, _STATE.pid, _STATE.previous = 0, None, None, {}
+            break
+    else:
+        _STATE.depth, _STATE.signal, _STATE.pid, _STATE.previous = 0, None, None, {}
+    _after_in_parent()
 
 
-os.register_at_fork(after_in_child=_in_child)
+os.register_at_fork(before=_before_fork, after_in_parent=_after_in_parent,
+                    after_in_child=_in_child)
 
 
 def _as_before(signum, frame):
