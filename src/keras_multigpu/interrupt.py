@@ -91,7 +91,8 @@ def _before_fork():
         _FORKING.mask = signal.pthread_sigmask(signal.SIG_BLOCK, set(_STATE.previous))
 
 
-def _after_in_parent():
+def _unblock():
+    """The forking thread's mask as it was before the fork (`_before_fork`)."""
     mask = getattr(_FORKING, "mask", None)
     if mask is not None:
         _FORKING.mask = None
@@ -109,11 +110,10 @@ def _in_child():
             break
     else:
         _STATE.depth, _STATE.signal, _STATE.pid, _STATE.previous = 0, None, None, {}
-    _after_in_parent()
+    _unblock()
 
 
-os.register_at_fork(before=_before_fork, after_in_parent=_after_in_parent,
-                    after_in_child=_in_child)
+os.register_at_fork(before=_before_fork, after_in_parent=_unblock, after_in_child=_in_child)
 
 
 def _as_before(signum, frame):
@@ -162,18 +162,19 @@ def deferred():
             _STATE.depth -= 1
         return
     previous = {signum: signal.getsignal(signum) for signum in _NAMES}
-    taken = [signal.SIGINT] if previous[signal.SIGINT] not in (signal.SIG_IGN, None) else []
-    if previous[signal.SIGTERM] == signal.SIG_DFL:
-        taken.append(signal.SIGTERM)
+    if previous[signal.SIGINT] in (signal.SIG_IGN, None):
+        del previous[signal.SIGINT]
+    if previous[signal.SIGTERM] != signal.SIG_DFL:
+        del previous[signal.SIGTERM]
     _STATE.signal, _STATE.depth = None, 1
-    _STATE.pid, _STATE.previous = os.getpid(), {signum: previous[signum] for signum in taken}
-    for signum in taken:
+    _STATE.pid, _STATE.previous = os.getpid(), previous  # the handlers taken over
+    for signum in previous:
         signal.signal(signum, _handler)
     try:
         yield
     finally:
-        for signum in taken:
-            signal.signal(signum, previous[signum])
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
         _STATE.depth = 0
         _STATE.signal, _STATE.pid, _STATE.previous = None, None, {}
 
