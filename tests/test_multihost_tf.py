@@ -263,6 +263,7 @@ FAULT = """
 import json, os, signal, sys, time
 
 import numpy as np
+import tensorflow as tf
 
 import keras_multigpu
 import keras
@@ -270,30 +271,51 @@ import keras
 index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
 fault, victim = sys.argv[3], int(sys.argv[4])
 keras.utils.set_random_seed(0)
-model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+
+
+def act():
+    if fault.startswith("kill"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(600)  # hangs: its heartbeats go on
+
+
+class Fault(keras.callbacks.Callback):  # between steps
+    def on_train_batch_end(self, batch, logs=None):
+        if index == victim and batch == 4 and not fault.endswith("step"):
+            act()
+
+
+steps = []
+
+
+def in_step(x):  # inside the sixth step, before its all-reduce
+    steps.append(1)
+    if index == victim and len(steps) == 6 and fault.endswith("step"):
+        act()
+    return x
+
+
+class InStep(keras.layers.Layer):
+    def call(self, x):
+        return tf.ensure_shape(tf.py_function(in_step, [x], x.dtype), x.shape)
+
+
+model = keras.Sequential([keras.Input((4,)), InStep(), keras.layers.Dense(2)])
 parallel = keras_multigpu.multi_gpu_model(model)
 parallel.compile(optimizer="sgd", loss="mse")
-
-
-class Fault(keras.callbacks.Callback):
-    def on_train_batch_end(self, batch, logs=None):
-        if index == victim and batch == 4:
-            if fault == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            time.sleep(600)  # hangs: its heartbeats go on
-
-
 parallel.fit(np.ones((400, 4)), np.ones((400, 2)), batch_size=8, epochs=1, verbose=0,
              callbacks=[Fault()])
 """
 
 
-@pytest.mark.parametrize("fault, victim", [("hang", 1), ("kill", 1), ("kill", 0)])
+@pytest.mark.parametrize("fault, victim", [("hang", 1), ("kill", 1), ("kill", 0),
+                                           ("hang in step", 1), ("kill in step", 1)])
 def test_a_worker_that_hangs_or_dies_stops_the_other_with_its_name(tmp_path, fault, victim):
     """The other worker stops within KERAS_MULTIGPU_TIMEOUT with an error that says what
-    happened: it waited for ever in the step's all-reduce for a worker that hangs (whose
-    heartbeats go on), and a worker that died showed TensorFlow's error from a variable
-    read after the step."""
+    happened, between steps (the stop agreement) or inside one: without the library's
+    errors it waited for ever in the step's all-reduce for a worker that hangs (whose
+    heartbeats go on), and a worker that died showed TensorFlow's own error from deep in
+    the step ("Socket closed")."""
     script = tmp_path / "fault.py"
     script.write_text(textwrap.dedent(FAULT))
     ports = _ports(2)
@@ -314,12 +336,21 @@ def test_a_worker_that_hangs_or_dies_stops_the_other_with_its_name(tmp_path, fau
               "process 1 at the step boundary")
     lost = (f"CollectiveError: Process {1 - victim} of 2: the store the processes share "
             "(process 0 holds it) failed at the step boundary")
-    if victim == 0:  # worker 0 holds the coordination service
-        assert lost in output, output[-4000:]
+    # Where the dead worker's side of a step's all-reduce ended before the other's did,
+    # or where it died inside the step.
+    died = (f"CollectiveError: Process {1 - victim} of 2: a step's all-reduce across the "
+            f"processes failed: process {victim} (worker {victim} in TF_CONFIG) has stopped")
+    if fault == "hang in step":
+        assert ("CollectiveError: Process 0 of 2 waited 20 s (KERAS_MULTIGPU_TIMEOUT) for the "
+                "others in a step's all-reduce") in output, output[-4000:]
+    elif fault == "kill in step":
+        assert died in output, output[-4000:]
+    elif victim == 0:  # worker 0 holds the coordination service
+        assert lost in output or died in output, output[-4000:]
     elif fault == "hang":
         assert waited in output, output[-4000:]
     else:  # the coordination service may report the dead worker before the timeout
-        assert waited in output or lost in output, output[-4000:]
+        assert waited in output or lost in output or died in output, output[-4000:]
 
 
 def test_a_worker_that_never_joins_is_an_error(tmp_path):

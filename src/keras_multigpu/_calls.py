@@ -306,10 +306,16 @@ def _readers(callbacks):
 def _raise_failed(model, error, *datasets):
     """A batch a feed could not serve on tf.data's threads (x and y of different rows):
     TensorFlow raised its own graph error for it; the feed's error is raised instead. A
-    shape error from a step that ran on one replica's share says so (`_SHARE_NOTE`)."""
+    shape error from a step that ran on one replica's share says so (`_SHARE_NOTE`). An
+    engine's own error from a collective is raised as the `CollectiveError` that says what
+    it means (a process that stopped)."""
     failed = next((d.failed for d in datasets if getattr(d, "failed", None)), None)
     if failed is not None and failed is not error:
         raise failed from error
+    if backends.has(model._backend, "collective_errors"):
+        said = model._backend.collective_error(error)
+        if said is not None:
+            raise said from error
     if (model.num_replicas > 1 and not backends.has(model._backend, "whole_batch")
             and _SHAPE_ERROR.search(str(error)) and hasattr(error, "add_note")):
         error.add_note(_SHARE_NOTE.format(model.num_replicas))

@@ -71,6 +71,11 @@ would (the `check` test in tests/test_backends.py holds every engine to this):
   in it could otherwise wait for ever (JAX; torch's collectives end in an
   error of their own, and TensorFlow's between one process's replicas cannot
   be timed).
+- "collective_errors": `collective_error(error)`, the `processes.CollectiveError` that
+  says what the engine's own error from a step's collective means (a process that
+  stopped, or one that did not join within KERAS_MULTIGPU_TIMEOUT), or None for any other
+  error (TensorFlow's workers); elsewhere a call's error is raised as it is (torch's
+  collectives raise a `CollectiveError` of their own; JAX's steps are watched).
 - "kept": `kept(function, model)`, one of Keras's compiled steps for `model`
   that puts the state it was given back into the model's variables when it
   raises, and `put_back(model)`, which puts the state the last step left back
@@ -140,6 +145,7 @@ CAPABILITY_NAMES = {
     "shard": ("shard",),
     "free_memory": ("free_memory",),
     "watch": ("watch",),
+    "collective_errors": ("collective_error",),
     "kept": ("kept", "put_back"),
     "generator": ("random_state", "set_random_state"),
     "to_backend": ("to_backend",),

@@ -11,6 +11,7 @@ import concurrent.futures
 import json
 import os
 import random
+import re
 
 import tensorflow as tf
 from tensorflow.python.distribute import collective_all_reduce_strategy as tf_collective
@@ -232,6 +233,46 @@ def _join(spec, task_type, task_id, configure_cpu_devices):
     # exit (the outcome of the last save): it leaves last.
     atexit.register(processes.leave)
     return workers
+
+
+# The remote task in TensorFlow's error from a collective whose peer has stopped.
+_REMOTE = re.compile(r"/job:(chief|worker)(?:/replica:\d+)?/task:(\d+)")
+# Its own words for what happened, among the graph's lines around them.
+_SAID = re.compile(r"Collective ops is aborted by: [^\n]*|Collective has timed out[^\n]*")
+
+
+def collective_error(workers, error):
+    """The `processes.CollectiveError` that says what TensorFlow's `error` from a step's
+    collective means (a peer that stopped, or one that did not join within the
+    timeout), or None for any other error.
+
+    A worker that dies while the others are in a step's all-reduce leaves them TensorFlow's
+    own error from deep inside the step ("Socket closed" from a remote task); one that hangs
+    there, its collective's timeout. The stop agreement at the step boundaries names them
+    only when the peer stops between steps.
+    """
+    if not isinstance(error, (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
+                              tf.errors.AbortedError, tf.errors.CancelledError)) \
+            or "ollective" not in str(error):
+        return None
+    me = f"Process {workers.index} of {workers.count}"
+    said = _SAID.search(str(error))
+    said = said[0].strip() if said else str(error).strip().splitlines()[-1]
+    if isinstance(error, tf.errors.DeadlineExceededError):
+        return processes.CollectiveError(
+            f"{me} waited {_timeout():g} s ({TIMEOUT_ENV}) for the others in a step's "
+            "all-reduce, and they did not join it: one hangs, is far behind, or has stopped "
+            "(see its own output). Every process must run the same program; raise "
+            f"{TIMEOUT_ENV} if one is slow for good reason. TensorFlow said: {said}")
+    who = "another process"
+    for remote in _REMOTE.finditer(str(error)):
+        peer = multi_worker_util.id_in_cluster(workers.spec, remote[1], int(remote[2]))
+        if peer != workers.index:
+            who = f"process {peer} ({remote[1]} {remote[2]} in TF_CONFIG)"
+            break
+    return processes.CollectiveError(
+        f"{me}: a step's all-reduce across the processes failed: {who} has stopped "
+        f"(see its own output). TensorFlow said: {said}")
 
 
 def start(configure_cpu_devices):

@@ -68,7 +68,7 @@ from keras_multigpu.devices import (
 
 # What this engine does beyond the seam's common names (see `keras_multigpu.backends`).
 CAPABILITIES = frozenset({"cpu_devices", "check_model", "release", "batch_spec", "recompile",
-                          "text", "xla_draws", "copies"})
+                          "text", "xla_draws", "copies", "collective_errors"})
 
 
 def configure_cpu_devices(count):
@@ -261,6 +261,10 @@ def process_index():
 
 def process_count():
     return 1 if _workers is None else _workers.count
+
+
+def collective_error(error):
+    return None if _workers is None else _tf_workers.collective_error(_workers, error)
 
 
 _workers, _late = _tf_workers.start(configure_cpu_devices)
