@@ -85,8 +85,8 @@ def _stuck(what, waited):
     message = (
         f"keras_multigpu: {what} has waited {waited:.0f} s ({TIMEOUT_ENV}="
         f"{_timeout():g}) without finishing: a device waits in a collective across {where} "
-        "for another that never joins it (a process that hangs, or XLA's CPU devices "
-        "deadlocked). Nothing can end that wait from Python: exiting. Raise "
+        "for another that never joins it (a process that hangs or has stopped, or XLA's CPU "
+        "devices deadlocked). Nothing can end that wait from Python: exiting. Raise "
         f"{TIMEOUT_ENV} if one step is this slow for good reason.\n")
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
