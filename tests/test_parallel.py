@@ -247,6 +247,38 @@ def test_augmentation_and_global_max_pooling_train_with_a_device_left_empty():
                                reference.predict(x, batch_size=2, verbose=0), atol=1e-6)
 
 
+class RowMaxPenalty(keras.Model):
+    """A loss with a term over the batch's rows: a replica dealt none reduces an empty
+    tensor."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        loss = super().compute_loss(x, y, y_pred, sample_weight, training=training)
+        return loss + 0.1 * keras.ops.max(keras.ops.abs(y_pred))
+
+
+def test_a_reduction_over_the_rows_on_a_device_left_empty_is_its_identity():
+    """Keras's torch `max` refused a process dealt no rows ("Cannot compute the max of an
+    empty tensor") where the step reduces over the rows. It is the reduction's identity
+    there, as TensorFlow's is, which the rules weigh by no rows: a batch of one row leaves
+    every device but one empty, and that one's step is one device's."""
+
+    def build():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((6,))
+        outputs = keras.layers.Dense(3, activation="softmax")(keras.layers.Dense(4)(inputs))
+        return compile_sgd(RowMaxPenalty(inputs, outputs))
+
+    x, y = classification_data(3)
+    reference = build()
+    parallel = compile_sgd(kmg.multi_gpu_model(build(), gpus=engine_gpus(3)))
+    histories = [model.fit(x, y, batch_size=1, epochs=2, shuffle=False, verbose=0).history
+                 for model in (reference, parallel)]
+    assert_weights_close(reference.get_weights(), parallel.get_weights())
+    np.testing.assert_allclose(histories[1]["loss"], histories[0]["loss"], rtol=1e-5)
+    np.testing.assert_allclose(parallel.evaluate(x, y, batch_size=1, verbose=0),
+                               reference.evaluate(x, y, batch_size=1, verbose=0), rtol=1e-5)
+
+
 def test_template_is_the_trained_model(dense_model):
     x, y = classification_data(40)
     template = dense_model()

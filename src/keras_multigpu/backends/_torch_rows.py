@@ -5,22 +5,45 @@ Rules of the torch engine's table (`torch._rules_table`), in force inside its st
 import math
 
 import keras
+import torch
 
 
-def over_other_axes(reduce):
+def over_other_axes(reduce, lowest):
     """Keras's torch `max` or `min` refuses a tensor with an empty dimension: on a process
     dealt no rows, a reduction over the other axes (GlobalMaxPooling2D's) is torch's
-    `reduce`, as empty as the rows; one over the rows stays Keras's error."""
+    `reduce`, as empty as the rows; one over the rows (a step's `ops.max(y_pred)`) is the
+    reduction's identity (`lowest`: -inf for `max`, +inf for `min`), as a TensorFlow
+    replica dealt no rows gets it. The rules weigh whatever it feeds by the process's
+    rows, none. Elsewhere an empty tensor stays Keras's error, as on one device."""
 
     def rule(replica, original, x, axis=None, keepdims=False, initial=None):
         x = keras.ops.convert_to_tensor(x)
-        if axis is not None and initial is None and 0 in x.shape:
-            axes = [a % x.ndim for a in (axis if isinstance(axis, (list, tuple)) else [axis])]
+        if initial is None and 0 in x.shape:
+            axes = range(x.ndim) if axis is None else [
+                a % x.ndim for a in (axis if isinstance(axis, (list, tuple)) else [axis])]
+            axes = sorted(set(axes))
+            if getattr(replica, "k", None) == 0:
+                for a in axes:
+                    if x.shape[a] == 0:  # one entry of the identity along it
+                        shape = list(x.shape)
+                        shape[a] = 1
+                        x = torch.cat([x, torch.full(shape, _identity(x.dtype, lowest),
+                                                     dtype=x.dtype, device=x.device)], dim=a)
             if all(x.shape[a] for a in axes):
                 return reduce(x, dim=axes, keepdim=keepdims)
         return original(x, axis=axis, keepdims=keepdims, initial=initial)
 
     return rule
+
+
+def _identity(dtype, lowest):
+    """The identity of `max` (`lowest`) or `min` for `dtype`."""
+    if dtype == torch.bool:
+        return not lowest
+    if dtype.is_floating_point:
+        return -math.inf if lowest else math.inf
+    info = torch.iinfo(dtype)
+    return info.min if lowest else info.max
 
 
 def no_images(replica, original, images, *args, **kwargs):
