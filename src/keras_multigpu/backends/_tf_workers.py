@@ -253,7 +253,7 @@ def collective_error(workers, error):
     """
     if not isinstance(error, (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
                               tf.errors.AbortedError, tf.errors.CancelledError)) \
-            or "ollective" not in str(error):
+            or "collective" not in str(error).lower():
         return None
     me = f"Process {workers.index} of {workers.count}"
     said = _SAID.search(str(error))

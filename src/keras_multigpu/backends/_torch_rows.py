@@ -8,7 +8,7 @@ import keras
 import torch
 
 
-def over_other_axes(reduce, lowest):
+def max_or_min(reduce, lowest):
     """Keras's torch `max` or `min` refuses a tensor with an empty dimension: on a process
     dealt no rows, a reduction over the other axes (GlobalMaxPooling2D's) is torch's
     `reduce`, as empty as the rows; one over the rows (a step's `ops.max(y_pred)`) is the

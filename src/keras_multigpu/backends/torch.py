@@ -339,8 +339,8 @@ def local_metric_state(variables, values):
 
 def _rules_table():
     return [
-        (torch_numpy, "max", _torch_rows.over_other_axes(torch.amax, lowest=True), _step),
-        (torch_numpy, "min", _torch_rows.over_other_axes(torch.amin, lowest=False), _step),
+        (torch_numpy, "max", _torch_rows.max_or_min(torch.amax, lowest=True), _step),
+        (torch_numpy, "min", _torch_rows.max_or_min(torch.amin, lowest=False), _step),
         (torch_numpy, "reshape", _torch_rows.reshape_rows, _step),
         (torch_image, "affine_transform", _torch_rows.no_images, _step),
         (torch.nn.functional, "dropout", _torch_native.dropout, _step),
