@@ -303,8 +303,12 @@ class InStep(keras.layers.Layer):
 model = keras.Sequential([keras.Input((4,)), InStep(), keras.layers.Dense(2)])
 parallel = keras_multigpu.multi_gpu_model(model)
 parallel.compile(optimizer="sgd", loss="mse")
-parallel.fit(np.ones((400, 4)), np.ones((400, 2)), batch_size=8, epochs=1, verbose=0,
-             callbacks=[Fault()])
+try:
+    parallel.fit(np.ones((400, 4)), np.ones((400, 2)), batch_size=8, epochs=1, verbose=0,
+                 callbacks=[Fault()])
+except keras_multigpu.CollectiveError:  # the public class, whatever raised it
+    print("caught keras_multigpu.CollectiveError", flush=True)
+    raise
 """
 
 
@@ -340,6 +344,7 @@ def test_a_worker_that_hangs_or_dies_stops_the_other_with_its_name(tmp_path, fau
     # or where it died inside the step.
     died = (f"CollectiveError: Process {1 - victim} of 2: a step's all-reduce across the "
             f"processes failed: process {victim} (worker {victim} in TF_CONFIG) has stopped")
+    assert "caught keras_multigpu.CollectiveError" in output, output[-4000:]
     if fault == "hang in step":
         assert ("CollectiveError: Process 0 of 2 waited 20 s (KERAS_MULTIGPU_TIMEOUT) for the "
                 "others in a step's all-reduce") in output, output[-4000:]

@@ -28,15 +28,17 @@ from keras_multigpu.devices import cpu_device_count as _cpu_device_count
 __version__ = "0.1.0"
 
 __all__ = [
-    "Checkpoint", "CheckpointError", "Device", "ParallelModel", "ReplicaStateWarning",
-    "callbacks", "list_devices", "mixes_rows", "multi_gpu_model", "schedules", "__version__",
+    "Checkpoint", "CheckpointError", "CollectiveError", "Device", "ParallelModel",
+    "ReplicaStateWarning", "callbacks", "list_devices", "mixes_rows", "multi_gpu_model",
+    "schedules", "__version__",
 ]
 
 # The names that need Keras: imported with the package, as any library's, but on first use
 # in the `keras-multigpu` command (`_the_command`), whose devices, launch and argument
 # errors then start no framework.
 _NEEDS_KERAS = {
-    "Checkpoint": "checkpoint", "CheckpointError": "checkpoint", "ParallelModel": "parallel",
+    "Checkpoint": "checkpoint", "CheckpointError": "checkpoint",
+    "CollectiveError": "processes", "ParallelModel": "parallel",
     "multi_gpu_model": "parallel", "ReplicaStateWarning": "_replica_state",
     "mixes_rows": "rules_mixing", "callbacks": None, "schedules": None,
 }

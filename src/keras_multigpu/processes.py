@@ -42,7 +42,10 @@ _SUFFIXES = (".weights.h5", ".weights.json", ".keras", ".h5", ".hdf5")
 
 
 class CollectiveError(RuntimeError):
-    """Another process did not arrive within KERAS_MULTIGPU_TIMEOUT."""
+    """The processes that train together lost one: it stopped, or did not arrive within
+    KERAS_MULTIGPU_TIMEOUT (at a step boundary, in a step's collective, at a save). The
+    message names the process and the wait. Every engine raises it, as
+    `keras_multigpu.CollectiveError`."""
 
 
 class Store:

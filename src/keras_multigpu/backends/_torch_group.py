@@ -79,8 +79,7 @@ def _device():
 # -- collectives ----------------------------------------------------------
 
 
-class CollectiveError(RuntimeError):
-    """A collective across the processes failed (a peer died, or hung past the timeout)."""
+CollectiveError = processes.CollectiveError  # every engine's, `keras_multigpu.CollectiveError`
 
 
 def _collective(what, function, *args, **kwargs):
