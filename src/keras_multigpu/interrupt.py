@@ -57,6 +57,10 @@ class _State:
     pid = None
     previous = {}
 
+    def leave(self):
+        """Out of any call: nothing deferred, no handler taken over."""
+        self.depth, self.signal, self.pid, self.previous = 0, None, None, {}
+
 
 _STATE = _State()
 
@@ -109,7 +113,7 @@ def _in_child():
         except (ValueError, OSError):  # `_handler` then acts as `previous` would
             break
     else:
-        _STATE.depth, _STATE.signal, _STATE.pid, _STATE.previous = 0, None, None, {}
+        _STATE.leave()
     _unblock()
 
 
@@ -175,8 +179,7 @@ def deferred():
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-        _STATE.depth = 0
-        _STATE.signal, _STATE.pid, _STATE.previous = None, None, {}
+        _STATE.leave()
 
 
 class StopOnInterrupt(keras.callbacks.Callback):

@@ -251,13 +251,14 @@ def collective_error(workers, error):
     there, its collective's timeout. The stop agreement at the step boundaries names them
     only when the peer stops between steps.
     """
+    text = str(error)
     if not isinstance(error, (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
                               tf.errors.AbortedError, tf.errors.CancelledError)) \
-            or "collective" not in str(error).lower():
+            or "collective" not in text.lower():
         return None
     me = f"Process {workers.index} of {workers.count}"
-    said = _SAID.search(str(error))
-    said = said[0].strip() if said else str(error).strip().splitlines()[-1]
+    said = _SAID.search(text)
+    said = said[0].strip() if said else text.strip().splitlines()[-1]
     if isinstance(error, tf.errors.DeadlineExceededError):
         return processes.CollectiveError(
             f"{me} waited {_timeout():g} s ({TIMEOUT_ENV}) for the others in a step's "
@@ -265,7 +266,7 @@ def collective_error(workers, error):
             "(see its own output). Every process must run the same program; raise "
             f"{TIMEOUT_ENV} if one is slow for good reason. TensorFlow said: {said}")
     who = "another process"
-    for remote in _REMOTE.finditer(str(error)):
+    for remote in _REMOTE.finditer(text):
         peer = multi_worker_util.id_in_cluster(workers.spec, remote[1], int(remote[2]))
         if peer != workers.index:
             who = f"process {peer} ({remote[1]} {remote[2]} in TF_CONFIG)"
