@@ -671,6 +671,44 @@ def test_batchnorm_gradients_weighed_by_rows_are_one_devices(split, scaled):
                                rtol=1e-4, atol=1e-6 * (1024.0 if scaled else 1.0))
 
 
+@keras.ops.custom_gradient
+def _clipped_on_the_way_back(x):
+    """The identity, whose gradient is clipped to [-1, 1] as it flows back (as
+    `keras.ops.custom_gradient`'s documentation clips one): not linear in its upstream."""
+    def grad(*args, upstream=None):
+        if upstream is None:
+            (upstream,) = args
+        return keras.ops.clip(upstream, -1.0, 1.0)
+
+    return x, grad
+
+
+@pytest.mark.parametrize("split", SPLITS, ids=str)
+def test_a_gradient_the_model_clips_on_its_way_back_is_one_devices(split):
+    """Keras's own steps hand their loss to the backward pass through
+    `Optimizer.scale_loss`, where `scaled_loss` weighs a mean by k / n: every gradient
+    inside the pass is then one device's, and a custom gradient that clips it clips one
+    device's values. Weighed after the pass instead, a replica of k rows in n clipped
+    n / k times one device's gradient."""
+    n = sum(split)
+    x = np.random.default_rng(7).normal(size=(n, 3)).astype("float32")
+
+    def loss(x):  # each row's gradient at the clip is 18 x / rows: some clipped, some not
+        return keras.ops.mean(keras.ops.sum(keras.ops.square(3.0 * _clipped_on_the_way_back(x)),
+                                            axis=1))
+
+    def part(replica, rows):
+        scaled = lambda value: rules.scaled_loss(  # noqa: E731 (no loss scale of its own)
+            replica, lambda optimizer, value: value, None, value)
+        gradient = _input_gradient(lambda x: scaled(loss(x)), x[rows])
+        return _numpy(rules.weigh_gradient(replica, keras.ops.convert_to_tensor(gradient)))
+
+    one = _input_gradient(loss, x)
+    assert 0 < np.mean(np.abs(one) >= 1.0) < 1  # the clip bites on some rows
+    np.testing.assert_allclose(np.concatenate(_Replicas(split).run(part)), one,
+                               rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("split", SPLITS, ids=str)
 def test_gradients_weighed_by_rows_sum_to_one_devices(split):
     """A mean squared error's gradient per replica, weighed (`rules.weigh`), summed: one

@@ -99,6 +99,9 @@ class Replica:
             tape, a torch backward pass), which the optimizer's apply takes as they are.
         own_step: whether Keras's own `train_step` runs (torch overlaps its all-reduce).
         weighed: set by `scaled_loss`: the step's loss is weighed by k / n already.
+        summed: `summed(replica, loss)`, whether a step's scalar loss is a sum over this
+            replica's rows, or a ratio of two such sums, rather than a mean (the engine's
+            graph tells; None: every loss is taken for a mean).
     """
 
     k: Any
@@ -113,6 +116,7 @@ class Replica:
     reduced: list = dataclasses.field(default_factory=list)
     own_step: bool = False
     weighed: bool = False
+    summed: Callable | None = None
 
 
 def reduce_values(replica, original, values, sample_weight=None,
@@ -309,6 +313,7 @@ def table(step, call, random_module, draws, logs=None):
         (keras.metrics.Mean, "update_state", mean_update, step),
         (keras.metrics.MeanMetricWrapper, "update_state", wrapped_update, step),
         (keras.layers.BatchNormalization, "_moments", moments, step),
+        (keras.optimizers.Optimizer, "scale_loss", scaled_loss, step),
         (keras.optimizers.LossScaleOptimizer, "scale_loss", scaled_loss, step),
         *((random_module, name, random_draw, step) for name in draws),
         (random_module, "dropout", dropout, step),

@@ -1,5 +1,5 @@
 """The rule's weights, k / n, and the gradients' weighing by them: after a replica's
-backward pass (`weigh_gradient`), before it (`scaled_loss`, a loss scaler's), and through a sum
+backward pass (`weigh_gradient`), before it (`scaled_loss`, Keras's own steps'), and through a sum
 across replicas (`weighted_sum`). Rules of `rules.table`; see `rules` for the rule."""
 
 import keras
@@ -45,10 +45,16 @@ def weigh_gradient(replica, gradient):
 
 
 def scaled_loss(replica, original, optimizer, loss):
-    """`LossScaleOptimizer.scale_loss` (mixed_float16), weighed by k / n before the
-    backward pass: its float16 gradients are then as large as one device's, where a replica
-    of k rows in n backpropagated n / k times one device's and overflowed where one device
-    did not, skipping a step one device took. `weigh_gradient` then leaves them as they are."""
+    """`Optimizer.scale_loss`, through which Keras's own steps hand their loss to the backward
+    pass (and `LossScaleOptimizer`'s, mixed_float16's): a mean over this replica's rows is
+    weighed by k / n there, before the backward pass, so that every gradient inside the pass
+    is one device's. A replica of k rows in n backpropagated n / k times one device's: a
+    gradient the model changes as it flows (an `ops.custom_gradient` that clips it) was clipped
+    elsewhere, and float16's overflowed where one device's did not, skipping a step one device
+    took. `weigh_gradient` then leaves the gradients as they are. A loss that sums the rows, or
+    divides two sums (`Replica.summed`), is weighed where its gradient is taken, as before."""
+    if replica.summed is not None and replica.summed(replica, loss):
+        return original(optimizer, loss)
     replica.weighed = True
     loss = original(optimizer, loss)
     return loss * weight(replica, loss.dtype)

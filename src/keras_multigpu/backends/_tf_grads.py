@@ -65,6 +65,12 @@ def _from_part(replica, original, self, target, sources, part, *args, **kwargs):
             for g in tf.nest.flatten(grads)]
 
 
+def summed(replica, loss):
+    """`rules.Replica.summed`: whether `loss` is a sum over this replica's rows, or a ratio of
+    two such sums, rather than a mean (the step's graph tells)."""
+    return _sums_rows(replica, loss) or ratio_of_sums(replica, loss) is not None
+
+
 def _part(replica, target):
     """This replica's part of one device's gradient of `target`, where that is not a mean
     over the rows: 1 for a sum over them (`_sums_rows`), the denominator's share of the

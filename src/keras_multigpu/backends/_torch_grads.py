@@ -42,7 +42,7 @@ def backward(replica, original, tensors, *args, **kwargs):
     already, and its all-reduce leaves that part as it is (the weights sum to 1). What it
     accumulated into tensors of this process's rows (an adversarial step's inputs, made to
     require grad) is weighed as one device's, in place."""
-    if _sums_rows(replica, tensors):  # this process's part of one device's sum, times n / k
+    if sums_rows(replica, tensors):  # this process's part of one device's sum, times n / k
         tensors = tensors * rules.share(replica, tensors.dtype)
     if replica.own_step:  # Keras's step (a `compute_loss` that sums: keras-io's BERT MLM):
         return original(tensors, *args, **kwargs)  # the buckets weigh it by k / n
@@ -80,7 +80,7 @@ def grad(replica, original, outputs, inputs, *args, **kwargs):
             any(params) or not _of_rows(replica, listed))):
         return original(outputs, inputs, *args, **kwargs)
     targets = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
-    summed = all([_sums_rows(replica, t) for t in targets])  # every process votes on each
+    summed = all([sums_rows(replica, t) for t in targets])  # every process votes on each
     grads = original(outputs, inputs, *args, **kwargs)
     if summed:  # this process's part of one device's sum, times n / k (as `backward` scales)
         grads = [None if g is None else g * rules.share(replica, g.dtype) for g in grads]
@@ -161,12 +161,12 @@ def mean_update(replica, original, metric, values, sample_weight=None):
     k / n (a weight of None), or by the rows (Keras's step's weight), then adds each once
     across processes. Under `no_grad` (`evaluate`), `compute_loss` leaves the graph."""
     if (isinstance(values, torch.Tensor) and values.dim() == 0
-            and not rules_metrics.updating(metric) and _sums_rows(replica, values)):
+            and not rules_metrics.updating(metric) and sums_rows(replica, values)):
         values = values * rules.share(replica, values.dtype)
     return rules.mean_update(replica, original, metric, values, sample_weight)
 
 
-def _sums_rows(replica, tensors):
+def sums_rows(replica, tensors):
     """Whether a backward pass, or a loss tracker's value, is from a sum over this
     process's rows, not a mean: from a tensor of them (a per-row loss, with `gradient=`),
     or from a full sum of one (`ops.sum(per_row).backward()`), not of values stacked (Keras's

@@ -228,7 +228,8 @@ def run_step(step, data, rows_out=False):
     mine = tree.map_structure(lambda a: None if a is None else a[start:start + k], rows)
     previous = getattr(_replica, "state", None)
     _replica.state = replica = rules.Replica(k, n, start, dist.get_world_size(), _sum,
-                                             index=dist.get_rank())
+                                             index=dist.get_rank(),
+                                             summed=_torch_grads.sums_rows)
     reducers = list(getattr(_installed, "reducers", {}).values())
     for reducer in reducers:
         reducer.begin(replica)
