@@ -58,6 +58,7 @@ from keras_multigpu.rules_weights import (
     held,
     scaled_loss,
     share,
+    unscaled,
     weigh,
     weigh_gradient,
     weight,
@@ -66,6 +67,7 @@ from keras_multigpu.rules_weights import (
 
 __all__ = [
     "Replica", "held", "weight", "share", "weigh", "weigh_gradient", "scaled_loss",
+    "unscaled",
     "weighted_scalar", "reduce_values", "apply_mask", "additional_loss", "mean_update",
     "weighted_sum", "moments", "batch_draw", "random_draw", "dropout", "categorical",
     "mixing_layer", "mixing_function", "batch_contraction", "compiled_loss", "one_value_loss",
@@ -102,6 +104,8 @@ class Replica:
         summed: `summed(replica, loss)`, whether a step's scalar loss is a sum over this
             replica's rows, or a ratio of two such sums, rather than a mean (the engine's
             graph tells; None: every loss is taken for a mean).
+        scaled: set by `scaled_loss` for such a loss: (what it returned, the loss), which
+            `unscaled` reads where the step takes the gradient.
     """
 
     k: Any
@@ -117,6 +121,7 @@ class Replica:
     own_step: bool = False
     weighed: bool = False
     summed: Callable | None = None
+    scaled: tuple | None = None
 
 
 def reduce_values(replica, original, values, sample_weight=None,

@@ -54,10 +54,20 @@ def scaled_loss(replica, original, optimizer, loss):
     took. `weigh_gradient` then leaves the gradients as they are. A loss that sums the rows, or
     divides two sums (`Replica.summed`), is weighed where its gradient is taken, as before."""
     if replica.summed is not None and replica.summed(replica, loss):
-        return original(optimizer, loss)
+        scaled = original(optimizer, loss)
+        replica.scaled = (scaled, loss)  # a loss scaler's product hides the sum (`unscaled`)
+        return scaled
     replica.weighed = True
     loss = original(optimizer, loss)
     return loss * weight(replica, loss.dtype)
+
+
+def unscaled(replica, target):
+    """The loss `scaled_loss` was handed, where `target` is what it returned for a loss that
+    sums the rows or divides two sums (a `LossScaleOptimizer` multiplies it by its scale, and
+    the graph the engine reads would take the product for a mean); else `target`."""
+    pair = replica.scaled
+    return pair[1] if pair is not None and target is pair[0] else target
 
 
 def weighted_sum(replica, value, what="all-reduce of BatchNormalization's moments"):

@@ -37,7 +37,7 @@ def tape_gradient(replica, original, self, target, sources, *args, **kwargs):
     variables = [isinstance(s, (tf.Variable, keras.Variable)) for s in flat_sources]
     if not variables or not all(v or rows_of(replica, s) for v, s in zip(variables, flat_sources)):
         return original(self, target, sources, *args, **kwargs)
-    part = _part(replica, target)
+    part = _part(replica, rules.unscaled(replica, target))  # through a loss scaler's product
     flat = tf.nest.flatten(
         original(self, target, sources, *args, **kwargs) if part is None
         else _from_part(replica, original, self, target, sources, part, *args, **kwargs))

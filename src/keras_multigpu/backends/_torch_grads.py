@@ -42,7 +42,8 @@ def backward(replica, original, tensors, *args, **kwargs):
     already, and its all-reduce leaves that part as it is (the weights sum to 1). What it
     accumulated into tensors of this process's rows (an adversarial step's inputs, made to
     require grad) is weighed as one device's, in place."""
-    if sums_rows(replica, tensors):  # this process's part of one device's sum, times n / k
+    if sums_rows(replica, rules.unscaled(replica, tensors)):  # its part of one device's sum,
+        # times n / k (seen through a loss scaler's product)
         tensors = tensors * rules.share(replica, tensors.dtype)
     if replica.own_step:  # Keras's step (a `compute_loss` that sums: keras-io's BERT MLM):
         return original(tensors, *args, **kwargs)  # the buckets weigh it by k / n
@@ -80,7 +81,8 @@ def grad(replica, original, outputs, inputs, *args, **kwargs):
             any(params) or not _of_rows(replica, listed))):
         return original(outputs, inputs, *args, **kwargs)
     targets = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
-    summed = all([sums_rows(replica, t) for t in targets])  # every process votes on each
+    summed = all([sums_rows(replica, rules.unscaled(replica, t))  # every process votes
+                  for t in targets])
     grads = original(outputs, inputs, *args, **kwargs)
     if summed:  # this process's part of one device's sum, times n / k (as `backward` scales)
         grads = [None if g is None else g * rules.share(replica, g.dtype) for g in grads]
