@@ -2049,6 +2049,77 @@ def _own_step_runs(gpus, make, learning_rate, x, **batching):
     return runs
 
 
+class TwoLosses(keras.Model):
+    """A step of its own with two losses and two optimizers (a GAN's shape): the first loss
+    goes through `scale_loss`, as Keras's own step hands its loss over, the second not."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = (
+            keras.Sequential([keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(1)])
+            for _ in range(2))
+        self.tracker = keras.metrics.Mean(name="loss")
+
+    def call(self, x):
+        return self.first(x) + self.second(x)
+
+    def compile(self, first, second):
+        super().compile()
+        self.optimizers = first, second
+
+    @property
+    def metrics(self):
+        return [self.tracker]
+
+    def _loss(self, network, data):
+        x, y = data
+        return keras.ops.mean(keras.ops.square(network(x) - y))
+
+    def train_step(self, data):
+        losses = []
+        for network, optimizer, scaled in zip((self.first, self.second), self.optimizers,
+                                              (True, False)):
+            variables = network.trainable_weights
+            if BACKEND == "torch":
+                self.zero_grad()
+                losses.append(self._loss(network, data))
+                (optimizer.scale_loss(losses[-1]) if scaled else losses[-1]).backward()
+                grads = [v.value.grad for v in variables]
+            else:
+                import tensorflow as tf
+
+                with tf.GradientTape() as tape:
+                    losses.append(self._loss(network, data))
+                    target = optimizer.scale_loss(losses[-1]) if scaled else losses[-1]
+                grads = tape.gradient(target, variables)
+            optimizer.apply(grads, variables)
+        self.tracker.update_state(losses[0] + losses[1])
+        return {"loss": self.tracker.result()}
+
+
+@pytest.mark.skipif(BACKEND == "jax", reason="a TensorFlow and torch step (GradientTape, "
+                    "backward); JAX's stateless step sees the whole batch")
+@pytest.mark.parametrize("gpus", [3])
+def test_a_step_that_scales_one_loss_and_not_another_equals_one_device(gpus):
+    """A loss weighed before its backward pass (`scale_loss`) is not weighed again after it,
+    and one that was not is: each gradient by its own loss (one flag for the step moved the
+    second network's weights 0.64 from one device's on torch, 0.43 on TensorFlow). 23 rows
+    in batches of 4."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(23, 3)).astype("float32")
+    y = rng.normal(size=(23, 1)).astype("float32")
+    runs = []
+    for count in (None, gpus):
+        keras.utils.set_random_seed(0)
+        model = TwoLosses()
+        model(x[:2])
+        target = model if count is None else kmg.multi_gpu_model(model, gpus=count)
+        target.compile(keras.optimizers.SGD(0.1), keras.optimizers.SGD(0.1))
+        history = target.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0).history
+        runs.append((model, target, history))
+    _assert_same(*runs)
+
+
 class Denoiser(keras.Model):
     """keras-io's denoising diffusion model, in small: its `train_step` draws its noise and
     diffusion times with no seed (Keras's global seed generator), calls its loss as a

@@ -58,6 +58,7 @@ from keras_multigpu.rules_weights import (
     held,
     scaled_loss,
     share,
+    taking,
     unscaled,
     weigh,
     weigh_gradient,
@@ -67,7 +68,7 @@ from keras_multigpu.rules_weights import (
 
 __all__ = [
     "Replica", "held", "weight", "share", "weigh", "weigh_gradient", "scaled_loss",
-    "unscaled",
+    "taking", "unscaled",
     "weighted_scalar", "reduce_values", "apply_mask", "additional_loss", "mean_update",
     "weighted_sum", "moments", "batch_draw", "random_draw", "dropout", "categorical",
     "mixing_layer", "mixing_function", "batch_contraction", "compiled_loss", "one_value_loss",
@@ -100,12 +101,14 @@ class Replica:
         reduced: gradients summed across replicas where the step took them (TensorFlow's
             tape, a torch backward pass), which the optimizer's apply takes as they are.
         own_step: whether Keras's own `train_step` runs (torch overlaps its all-reduce).
-        weighed: set by `scaled_loss`: the step's loss is weighed by k / n already.
+        weighed: whether the loss whose gradient the step takes is weighed by k / n already
+            (`scaled_loss` weighed it; `taking` sets it where the gradient is taken).
         summed: `summed(replica, loss)`, whether a step's scalar loss is a sum over this
             replica's rows, or a ratio of two such sums, rather than a mean (the engine's
             graph tells; None: every loss is taken for a mean).
-        scaled: set by `scaled_loss` for such a loss: (what it returned, the loss), which
-            `unscaled` reads where the step takes the gradient.
+        scaled: what `scaled_loss` returned in this step, each with the loss it was handed
+            where that sums the rows (else None: weighed), which `taking` and `unscaled`
+            read where the step takes a gradient.
     """
 
     k: Any
@@ -121,7 +124,7 @@ class Replica:
     own_step: bool = False
     weighed: bool = False
     summed: Callable | None = None
-    scaled: tuple | None = None
+    scaled: list = dataclasses.field(default_factory=list)
 
 
 def reduce_values(replica, original, values, sample_weight=None,

@@ -51,23 +51,34 @@ def scaled_loss(replica, original, optimizer, loss):
     is one device's. A replica of k rows in n backpropagated n / k times one device's: a
     gradient the model changes as it flows (an `ops.custom_gradient` that clips it) was clipped
     elsewhere, and float16's overflowed where one device's did not, skipping a step one device
-    took. `weigh_gradient` then leaves the gradients as they are. A loss that sums the rows, or
-    divides two sums (`Replica.summed`), is weighed where its gradient is taken, as before."""
-    if replica.summed is not None and replica.summed(replica, loss):
-        scaled = original(optimizer, loss)
-        replica.scaled = (scaled, loss)  # a loss scaler's product hides the sum (`unscaled`)
-        return scaled
-    replica.weighed = True
-    loss = original(optimizer, loss)
-    return loss * weight(replica, loss.dtype)
+    took. `weigh_gradient` then leaves the gradients of this loss as they are (`taking`). A
+    loss that sums the rows, or divides two sums (`Replica.summed`), is weighed where its
+    gradient is taken, as a loss a step does not scale is."""
+    summed = replica.summed is not None and replica.summed(replica, loss)
+    scaled = original(optimizer, loss)
+    if not summed:
+        scaled = scaled * weight(replica, scaled.dtype)
+        replica.weighed = True  # for a gradient taken where no rule sees it (`taking`)
+    replica.scaled.append((scaled, loss if summed else None))
+    return scaled
+
+
+def taking(replica, target):
+    """Where a step takes the gradient of `target` (a tensor, or a structure of them): sets
+    `replica.weighed`, whether `scaled_loss` weighed it before the backward pass, for the
+    rules the pass and the gradients' reduction run. A step may scale one loss and not
+    another (a GAN's two)."""
+    targets = keras.tree.flatten(target)
+    replica.weighed = bool(targets) and all(
+        any(t is scaled for scaled, loss in replica.scaled if loss is None) for t in targets)
 
 
 def unscaled(replica, target):
     """The loss `scaled_loss` was handed, where `target` is what it returned for a loss that
     sums the rows or divides two sums (a `LossScaleOptimizer` multiplies it by its scale, and
     the graph the engine reads would take the product for a mean); else `target`."""
-    pair = replica.scaled
-    return pair[1] if pair is not None and target is pair[0] else target
+    return next((loss for scaled, loss in replica.scaled
+                 if loss is not None and target is scaled), target)
 
 
 def weighted_sum(replica, value, what="all-reduce of BatchNormalization's moments"):

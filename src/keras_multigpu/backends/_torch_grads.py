@@ -42,6 +42,7 @@ def backward(replica, original, tensors, *args, **kwargs):
     already, and its all-reduce leaves that part as it is (the weights sum to 1). What it
     accumulated into tensors of this process's rows (an adversarial step's inputs, made to
     require grad) is weighed as one device's, in place."""
+    rules.taking(replica, tensors)  # whether Keras's step weighed this loss already
     if sums_rows(replica, rules.unscaled(replica, tensors)):  # its part of one device's sum,
         # times n / k (seen through a loss scaler's product)
         tensors = tensors * rules.share(replica, tensors.dtype)
@@ -74,6 +75,7 @@ def grad(replica, original, outputs, inputs, *args, **kwargs):
     adversarial step's input gradient, a gradient penalty's) are weighed as one device's
     (k / n of a mean's, a per-row target's as it is); those with respect to other tensors
     are the process's own."""
+    rules.taking(replica, outputs)
     listed = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
     params = [isinstance(t, torch.nn.Parameter) for t in listed]
     graph = kwargs.get("create_graph", args[2] if len(args) > 2 else False)
