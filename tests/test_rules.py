@@ -660,6 +660,7 @@ def test_batchnorm_gradients_weighed_by_rows_are_one_devices(split, scaled):
         moments = lambda x: rules.moments(replica, original, layer, x, None)  # noqa: E731
         if not scaled:
             return (k / n) * _input_gradient(loss(moments, k), x[rows])
+        replica.own_step = True  # in Keras's own step, as a loss scaler's is anywhere
         scale = lambda value: rules.scaled_loss(  # noqa: E731
             replica, lambda optimizer, value: value * 1024.0, None, value)
         gradient = _input_gradient(loss(moments, k, scale), x[rows])
@@ -698,6 +699,7 @@ def test_a_gradient_the_model_clips_on_its_way_back_is_one_devices(split):
                                             axis=1))
 
     def part(replica, rows):
+        replica.own_step = True  # Keras's own step hands its loss over so
         scaled = lambda value: rules.scaled_loss(  # noqa: E731 (no loss scale of its own)
             replica, lambda optimizer, value: value, None, value)
         gradient = _input_gradient(lambda x: scaled(loss(x)), x[rows])

@@ -56,9 +56,9 @@ from keras_multigpu.rules_mixing import (
 from keras_multigpu.rules_random import batch_draw, categorical, dropout, random_draw
 from keras_multigpu.rules_weights import (
     held,
+    own_step,
     scaled_loss,
     share,
-    taking,
     unscaled,
     weigh,
     weigh_gradient,
@@ -68,7 +68,7 @@ from keras_multigpu.rules_weights import (
 
 __all__ = [
     "Replica", "held", "weight", "share", "weigh", "weigh_gradient", "scaled_loss",
-    "taking", "unscaled",
+    "own_step", "unscaled",
     "weighted_scalar", "reduce_values", "apply_mask", "additional_loss", "mean_update",
     "weighted_sum", "moments", "batch_draw", "random_draw", "dropout", "categorical",
     "mixing_layer", "mixing_function", "batch_contraction", "compiled_loss", "one_value_loss",
@@ -100,15 +100,14 @@ class Replica:
             losses computed on the gathered batch), which `own_logs` leaves as they are.
         reduced: gradients summed across replicas where the step took them (TensorFlow's
             tape, a torch backward pass), which the optimizer's apply takes as they are.
-        own_step: whether Keras's own `train_step` runs (torch overlaps its all-reduce).
-        weighed: whether the loss whose gradient the step takes is weighed by k / n already
-            (`scaled_loss` weighed it; `taking` sets it where the gradient is taken).
+        own_step: whether Keras's own `train_step` runs (`own_step`: its loss is weighed
+            before the backward pass; torch overlaps its all-reduce).
+        weighed: set by `scaled_loss`: the step's loss is weighed by k / n already.
         summed: `summed(replica, loss)`, whether a step's scalar loss is a sum over this
             replica's rows, or a ratio of two such sums, rather than a mean (the engine's
             graph tells; None: every loss is taken for a mean).
-        scaled: what `scaled_loss` returned in this step, each with the loss it was handed
-            where that sums the rows (else None: weighed), which `taking` and `unscaled`
-            read where the step takes a gradient.
+        scaled: (what `scaled_loss` returned, the loss it was handed) for each loss that sums
+            the rows in this step, which `unscaled` reads where the step takes a gradient.
     """
 
     k: Any
@@ -321,6 +320,7 @@ def table(step, call, random_module, draws, logs=None):
         (keras.metrics.Mean, "update_state", mean_update, step),
         (keras.metrics.MeanMetricWrapper, "update_state", wrapped_update, step),
         (keras.layers.BatchNormalization, "_moments", moments, step),
+        (keras.Model, "train_step", own_step, step),
         (keras.optimizers.Optimizer, "scale_loss", scaled_loss, step),
         (keras.optimizers.LossScaleOptimizer, "scale_loss", scaled_loss, step),
         *((random_module, name, random_draw, step) for name in draws),

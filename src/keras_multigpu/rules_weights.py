@@ -46,39 +46,40 @@ def weigh_gradient(replica, gradient):
 
 def scaled_loss(replica, original, optimizer, loss):
     """`Optimizer.scale_loss`, through which Keras's own steps hand their loss to the backward
-    pass (and `LossScaleOptimizer`'s, mixed_float16's): a mean over this replica's rows is
-    weighed by k / n there, before the backward pass, so that every gradient inside the pass
-    is one device's. A replica of k rows in n backpropagated n / k times one device's: a
-    gradient the model changes as it flows (an `ops.custom_gradient` that clips it) was clipped
+    pass (and `LossScaleOptimizer`'s, mixed_float16's): there, a mean over this replica's rows
+    is weighed by k / n before the backward pass, so that every gradient inside the pass is
+    one device's. A replica of k rows in n backpropagated n / k times one device's: a gradient
+    the model changes as it flows (an `ops.custom_gradient` that clips it) was clipped
     elsewhere, and float16's overflowed where one device's did not, skipping a step one device
-    took. `weigh_gradient` then leaves the gradients of this loss as they are (`taking`). A
-    loss that sums the rows, or divides two sums (`Replica.summed`), is weighed where its
-    gradient is taken, as a loss a step does not scale is."""
+    took. `weigh_gradient` then leaves the gradients as they are. In a step of the user's own
+    (`Replica.own_step` false), a plain optimizer's scale is left as it is: the step may
+    change its gradients before `apply`, or take them of a value made from the loss, and
+    its gradients are weighed after the pass. A loss that sums the rows, or divides two sums
+    (`Replica.summed`), is weighed where its gradient is taken (`unscaled`)."""
     summed = replica.summed is not None and replica.summed(replica, loss)
     scaled = original(optimizer, loss)
-    if not summed:
+    if summed:
+        replica.scaled.append((scaled, loss))
+    elif replica.own_step or isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        replica.weighed = True
         scaled = scaled * weight(replica, scaled.dtype)
-        replica.weighed = True  # for a gradient taken where no rule sees it (`taking`)
-    replica.scaled.append((scaled, loss if summed else None))
     return scaled
 
 
-def taking(replica, target):
-    """Where a step takes the gradient of `target` (a tensor, or a structure of them): sets
-    `replica.weighed`, whether `scaled_loss` weighed it before the backward pass, for the
-    rules the pass and the gradients' reduction run. A step may scale one loss and not
-    another (a GAN's two)."""
-    targets = keras.tree.flatten(target)
-    replica.weighed = bool(targets) and all(
-        any(t is scaled for scaled, loss in replica.scaled if loss is None) for t in targets)
+def own_step(replica, original, model, *args, **kwargs):
+    """Keras's own `train_step` (`Replica.own_step`, for `scaled_loss` and torch's buckets)."""
+    replica.own_step = True
+    try:
+        return original(model, *args, **kwargs)
+    finally:
+        replica.own_step = False
 
 
 def unscaled(replica, target):
     """The loss `scaled_loss` was handed, where `target` is what it returned for a loss that
     sums the rows or divides two sums (a `LossScaleOptimizer` multiplies it by its scale, and
     the graph the engine reads would take the product for a mean); else `target`."""
-    return next((loss for scaled, loss in replica.scaled
-                 if loss is not None and target is scaled), target)
+    return next((loss for scaled, loss in replica.scaled if target is scaled), target)
 
 
 def weighted_sum(replica, value, what="all-reduce of BatchNormalization's moments"):

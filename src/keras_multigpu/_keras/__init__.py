@@ -72,7 +72,7 @@ _MISSING = object()
 # Keras's torch trainer), Layer.{add_loss, _get_own_losses, _clear_losses},
 # Mean.update_state, MeanMetricWrapper.update_state, BatchNormalization._moments,
 # Optimizer.apply, LossScaleOptimizer.apply (TensorFlow; it calls _common_apply),
-# {Optimizer, LossScaleOptimizer}.scale_loss,
+# {Optimizer, LossScaleOptimizer}.scale_loss, Model.train_step (Keras's own, on every engine),
 # {MixUp, CutMix, RandomElasticTransform,
 # RandomGaussianBlur}.call, each Metric's result, each Loss's call but CompileLoss's,
 # backend.numpy.tensordot (a contraction over the batch axis), backend.numpy.matmul (a

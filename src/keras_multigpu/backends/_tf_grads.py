@@ -33,7 +33,6 @@ def tape_gradient(replica, original, self, target, sources, *args, **kwargs):
     other tensors stay the replica's own."""
     from keras_multigpu.backends._tf_rules import _reduced, _weighed  # it imports this module
 
-    rules.taking(replica, target)  # whether Keras's step weighed this loss already
     flat_sources = tf.nest.flatten(sources)
     variables = [isinstance(s, (tf.Variable, keras.Variable)) for s in flat_sources]
     if not variables or not all(v or rows_of(replica, s) for v, s in zip(variables, flat_sources)):

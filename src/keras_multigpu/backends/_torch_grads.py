@@ -22,17 +22,9 @@ from keras_multigpu.rules_gather import rows_of, voted
 
 
 def on_keras_steps():
-    """This module's rules on Keras's own torch steps, for the engine's table."""
-    return [(keras.Model, "train_step", keras_step), (keras.Model, COMPUTE_LOSS, compute_loss)]
-
-
-def keras_step(replica, original, model, data):
-    """Keras's own torch `train_step`: its backward pass is left to the buckets."""
-    replica.own_step = True
-    try:
-        return original(model, data)
-    finally:
-        replica.own_step = False
+    """This module's rules on Keras's own torch steps, for the engine's table (Keras's own
+    `train_step`, whose backward pass is left to the buckets, is `rules.own_step`)."""
+    return [(keras.Model, COMPUTE_LOSS, compute_loss)]
 
 
 def backward(replica, original, tensors, *args, **kwargs):
@@ -42,7 +34,6 @@ def backward(replica, original, tensors, *args, **kwargs):
     already, and its all-reduce leaves that part as it is (the weights sum to 1). What it
     accumulated into tensors of this process's rows (an adversarial step's inputs, made to
     require grad) is weighed as one device's, in place."""
-    rules.taking(replica, tensors)  # whether Keras's step weighed this loss already
     if sums_rows(replica, rules.unscaled(replica, tensors)):  # its part of one device's sum,
         # times n / k (seen through a loss scaler's product)
         tensors = tensors * rules.share(replica, tensors.dtype)
@@ -75,7 +66,6 @@ def grad(replica, original, outputs, inputs, *args, **kwargs):
     adversarial step's input gradient, a gradient penalty's) are weighed as one device's
     (k / n of a mean's, a per-row target's as it is); those with respect to other tensors
     are the process's own."""
-    rules.taking(replica, outputs)
     listed = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
     params = [isinstance(t, torch.nn.Parameter) for t in listed]
     graph = kwargs.get("create_graph", args[2] if len(args) > 2 else False)
