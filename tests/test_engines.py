@@ -498,6 +498,66 @@ def test_a_layer_counting_its_own_rows_is_named_unless_marked(gpus):
     assert doctest.testmod(_replica_state).failed == 0
 
 
+class _Queue(keras.Model):
+    """Keeps the last 8 rows it trained on in a variable of its own (NNCLR's support set, a
+    subclassed model's attribute, not a layer's), updated in its `call`."""
+
+    def __init__(self):
+        super().__init__(name="queued")
+        self.dense = keras.layers.Dense(3, activation="softmax")
+        self.queue = keras.Variable(np.zeros((8, 6), "float32"), trainable=False, name="queue")
+
+    def call(self, x, training=None):
+        if training:
+            self._enqueue(x)
+        return self.dense(x)
+
+    def _enqueue(self, x):
+        self.queue.assign(keras.ops.concatenate([x, self.queue], axis=0)[:8])
+        return x
+
+
+class _MarkedQueue(_Queue):
+    _enqueue = kmg.mixes_rows(_Queue._enqueue)
+
+
+@pytest.mark.parametrize("gpus", [3])
+def test_a_models_own_variable_updated_from_its_rows_is_named_unless_its_update_is_marked(gpus):
+    """A model's own variable (not a layer's) that its `call` updates from the rows: on
+    TensorFlow and torch each replica keeps its share's rows, and the warning says that the
+    model updates it itself, and that the function making the update is what to mark.
+    Marked, the update runs on the whole batch (11 rows in batches of 4 on 3 devices: the
+    last batch of 3 rows leaves 1 row on each replica), as one device's."""
+    import warnings
+
+    from keras_multigpu import _replica_state, processes
+
+    def build(cls):
+        def model():
+            keras.utils.set_random_seed(0)
+            model = cls()
+            model(np.zeros((1, 6), "float32"))
+            return model
+        return model
+
+    reference = _train(None, 11, 4, build=build(_Queue))
+    for cls in (_Queue, _MarkedQueue):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run = _train(gpus, 11, 4, build=build(cls))
+        named = [str(w.message) for w in caught
+                 if issubclass(w.category, _replica_state.ReplicaStateWarning)]
+        if cls is _MarkedQueue or BACKEND == "jax":
+            assert not named
+            _assert_same(reference, run)
+            np.testing.assert_allclose(keras.ops.convert_to_numpy(run[0].queue),
+                                       keras.ops.convert_to_numpy(reference[0].queue))
+        else:
+            assert len(named) == (1 if processes.rank() == 0 else 0)
+            assert all("'queue'" in text and "the model updates it itself" in text
+                       and "function of the batch's rows marked" in text for text in named)
+
+
 def _augmenting_model():
     # AugMix runs on torch only: on TensorFlow its chains are chosen with Python's `random`
     # as each trace of the step is made, and one device traces the step again for a last

@@ -6,8 +6,10 @@ layer that updates a non-trainable variable from its rows (a row count, a runnin
 updates it from the whole batch. No rule can make that one device's, and the replicas end
 up holding different values. `StateCheck` compares them after the first training step of
 each `fit` and at each epoch's end, and names each such variable once, with the fix: mark
-the layer with `keras_multigpu.mixes_rows`, and it runs on the whole batch as on one device.
-Keras's own layers (BatchNormalization's statistics, seed states) agree, by the rules.
+the layer with `keras_multigpu.mixes_rows`, and it runs on the whole batch as on one device
+(a variable of the model's own, updated in its `call` or its step: mark the function that
+updates it). Keras's own layers (BatchNormalization's statistics, seed states) agree, by the
+rules.
 """
 
 import warnings
@@ -33,6 +35,12 @@ def _digest(value):
         return [0.0, 0.0, 0.0]
     position = np.linspace(1.0, 2.0, value.size)
     return [float(value.sum()), float((value * position).sum()), float(np.abs(value).sum())]
+
+
+def _the_models_own(model, variable):
+    """Whether `variable` is the model's own (an attribute of a subclassed model, such as a
+    queue of past rows its step keeps), not one of its layers'."""
+    return all(variable is not v for layer in model.layers for v in layer.variables)
 
 
 def disagreeing(variables, copies, rtol=1e-5):
@@ -89,14 +97,21 @@ class StateCheck(keras.callbacks.Callback):
             if variable.path in warned or processes.rank() != 0:
                 continue
             warned.add(variable.path)
+            if _the_models_own(self._template, variable):
+                who, fix = ("the model updates it itself (in its `call` or its own step)",
+                            "make the update in a function of the batch's rows marked "
+                            "@keras_multigpu.mixes_rows: called with the replica's rows, it "
+                            "runs on the whole batch")
+            else:
+                who, fix = ("its layer updates it", "mark the layer so that it runs on the "
+                            "whole batch: @keras_multigpu.mixes_rows on its class, or "
+                            "keras_multigpu.mixes_rows(layer)")
             warnings.warn(
                 f"The variable {variable.path!r} of model {self._template.name!r} holds "
-                f"different values on its {self._replicas} replicas after training: its layer "
-                "updates it from its replica's rows, where one device updates it from the "
-                "whole batch. The first replica's value is the one kept. To update it as one "
-                "device does, mark the layer so that it runs on the whole batch: "
-                "@keras_multigpu.mixes_rows on its class, or keras_multigpu.mixes_rows(layer).",
-                ReplicaStateWarning, stacklevel=2)
+                f"different values on its {self._replicas} replicas after training: {who} "
+                "from its replica's rows, where one device updates it from the whole batch. "
+                f"The first replica's value is the one kept. To update it as one device "
+                f"does, {fix}.", ReplicaStateWarning, stacklevel=2)
 
     def on_train_batch_end(self, batch, logs=None):
         if self._first:
