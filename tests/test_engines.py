@@ -494,7 +494,8 @@ def test_a_layer_counting_its_own_rows_is_named_unless_marked(gpus):
         else:
             assert seen(run) == 10  # the first replica's, on every process
             assert len(named) == (1 if processes.rank() == 0 else 0)
-            assert all("/seen'" in text and "mixes_rows" in text for text in named)
+            assert all("/seen'" in text and "its layer '" in text and "mixes_rows" in text
+                       and "the model updates it itself" not in text for text in named)
     assert doctest.testmod(_replica_state).failed == 0
 
 

@@ -1,4 +1,4 @@
-"""A layer's own state, kept apart by the replicas: a warning that names it.
+"""A layer's or a model's own state, kept apart by the replicas: a warning that names it.
 
 Where each replica runs the model's step on its share of the rows (TensorFlow, torch), a
 layer that updates a non-trainable variable from its rows (a row count, a running maximum:
@@ -24,7 +24,8 @@ _WARNED = weakref.WeakKeyDictionary()  # template -> the paths of variables name
 
 
 class ReplicaStateWarning(UserWarning):
-    """A layer's non-trainable variable holds different values on the replicas."""
+    """A layer's or a model's non-trainable variable holds different values on the
+    replicas."""
 
 
 def _digest(value):
@@ -37,10 +38,14 @@ def _digest(value):
     return [float(value.sum()), float((value * position).sum()), float(np.abs(value).sum())]
 
 
-def _the_models_own(model, variable):
-    """Whether `variable` is the model's own (an attribute of a subclassed model, such as a
-    queue of past rows its step keeps), not one of its layers'."""
-    return all(variable is not v for layer in model.layers for v in layer.variables)
+def _owner(model, variable):
+    """The layer of `model` whose variables hold `variable` (one it tracks, in its graph or
+    not), or None where the variable is the model's own (an attribute of a subclassed
+    model, such as a queue of past rows its step keeps)."""
+    for layer in model._flatten_layers(include_self=False, recursive=False):
+        if any(variable is v for v in layer.variables):
+            return layer
+    return None
 
 
 def disagreeing(variables, copies, rtol=1e-5):
@@ -97,15 +102,16 @@ class StateCheck(keras.callbacks.Callback):
             if variable.path in warned or processes.rank() != 0:
                 continue
             warned.add(variable.path)
-            if _the_models_own(self._template, variable):
+            layer = _owner(self._template, variable)
+            if layer is None:
                 who, fix = ("the model updates it itself (in its `call` or its own step)",
                             "make the update in a function of the batch's rows marked "
                             "@keras_multigpu.mixes_rows: called with the replica's rows, it "
                             "runs on the whole batch")
             else:
-                who, fix = ("its layer updates it", "mark the layer so that it runs on the "
-                            "whole batch: @keras_multigpu.mixes_rows on its class, or "
-                            "keras_multigpu.mixes_rows(layer)")
+                who, fix = (f"its layer {layer.name!r} updates it", "mark the layer so that "
+                            "it runs on the whole batch: @keras_multigpu.mixes_rows on its "
+                            "class, or keras_multigpu.mixes_rows(layer)")
             warnings.warn(
                 f"The variable {variable.path!r} of model {self._template.name!r} holds "
                 f"different values on its {self._replicas} replicas after training: {who} "
