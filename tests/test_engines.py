@@ -443,6 +443,17 @@ def test_a_layer_marked_alone_mixes_rows_and_its_class_does_not(gpus):
     assert not rules_mixing._mixes(keras.layers.Lambda(lambda t: t))
 
 
+def _train_naming_state(gpus, build):
+    """`_train(gpus, 11, 4, build=build)`, and the `ReplicaStateWarning`s it gave."""
+    from keras_multigpu import _replica_state
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run = _train(gpus, 11, 4, build=build)
+    return run, [str(w.message) for w in caught
+                 if issubclass(w.category, _replica_state.ReplicaStateWarning)]
+
+
 class _RowCount(keras.layers.Layer):
     """Counts the rows it trains on in a variable of its own: state updated from its rows."""
 
@@ -464,7 +475,6 @@ def test_a_layer_counting_its_own_rows_is_named_unless_marked(gpus):
     on from the first's. Marked (`mixes_rows(layer)`), it counts the whole batch, as one
     device does, with no warning. JAX's one program sees the whole batch: no mark needed."""
     import doctest
-    import warnings
 
     from keras_multigpu import _replica_state, processes
 
@@ -482,11 +492,7 @@ def test_a_layer_counting_its_own_rows_is_named_unless_marked(gpus):
     reference = _train(None, 11, 4, build=build(False))
     assert seen(reference) == 22
     for marked in (False, True):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            run = _train(gpus, 11, 4, build=build(marked))
-        named = [str(w.message) for w in caught
-                 if issubclass(w.category, _replica_state.ReplicaStateWarning)]
+        run, named = _train_naming_state(gpus, build(marked))
         if marked or BACKEND == "jax":
             assert not named
             assert seen(run) == 22
@@ -529,9 +535,7 @@ def test_a_models_own_variable_updated_from_its_rows_is_named_unless_its_update_
     model updates it itself, and that the function making the update is what to mark.
     Marked, the update runs on the whole batch (11 rows in batches of 4 on 3 devices: the
     last batch of 3 rows leaves 1 row on each replica), as one device's."""
-    import warnings
-
-    from keras_multigpu import _replica_state, processes
+    from keras_multigpu import processes
 
     def build(cls):
         def model():
@@ -543,11 +547,7 @@ def test_a_models_own_variable_updated_from_its_rows_is_named_unless_its_update_
 
     reference = _train(None, 11, 4, build=build(_Queue))
     for cls in (_Queue, _MarkedQueue):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            run = _train(gpus, 11, 4, build=build(cls))
-        named = [str(w.message) for w in caught
-                 if issubclass(w.category, _replica_state.ReplicaStateWarning)]
+        run, named = _train_naming_state(gpus, build(cls))
         if cls is _MarkedQueue or BACKEND == "jax":
             assert not named
             _assert_same(reference, run)
