@@ -147,6 +147,14 @@ def test_bad_argument_is_not_skipped(tmp_path, monkeypatch):
     assert str(missing) in str(info.value) and "does not exist" in str(info.value)
 
 
+def test_a_file_given_for_the_folder_is_called_a_file(tmp_path):
+    not_a_folder = tmp_path / "data_batch_1"
+    not_a_folder.write_bytes(b"")
+    with pytest.raises(FileNotFoundError) as info:
+        find_cifar10(not_a_folder, download=False)
+    assert f"{not_a_folder} (a file, not a folder)" in str(info.value)
+
+
 def test_incomplete_folder_names_missing_file(tmp_path):
     folder = _fake_folder(tmp_path)
     (folder / "test_batch").unlink()

@@ -87,6 +87,9 @@ def test_train_gpus_means_what_the_api_does(text, gpus):
     (["train", "--lr", "nan"], "argument --lr: expected a positive number"),
     (["train", "--target-acc", "1.5"], "argument --target-acc: expected a number from 0 to 1"),
     (["train", "--progress", "loud"], "argument --progress: invalid choice"),
+    (["train", "--seed", "-1"], "argument --seed: expected an integer from 0 to 2**32 - 1"),
+    (["train", "--seed", str(2**32)], "expected an integer from 0 to 2**32 - 1 (4294967295), "
+                                      "got '4294967296'"),
 ])
 def test_bad_flags_exit_2_with_a_message(argv, message, capsys):
     with pytest.raises(SystemExit) as info:

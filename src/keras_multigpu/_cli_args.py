@@ -32,6 +32,18 @@ def _positive_int(text):
     return value
 
 
+def _seed(text):
+    """A random seed: what `keras.utils.set_random_seed` takes (0 to 2**32 - 1)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(
+            f"expected an integer from 0 to 2**32 - 1 (4294967295), got {text!r}")
+    return value
+
+
 def _count(text):
     try:
         value = int(text)

@@ -29,6 +29,7 @@ from keras_multigpu._cli_args import (
     _port,
     _positive_float,
     _positive_int,
+    _seed,
 )
 from keras_multigpu._cli_launch import cmd_launch
 from keras_multigpu._cli_measure import PROJECT_MAX_STEPS, cmd_bench, cmd_devices
@@ -90,7 +91,7 @@ def _add_training_flags(parser):
                              "the device count)")
     parser.add_argument("--lr", type=_positive_float, default=defaults.lr,
                         help="initial learning rate, decaying linearly to 0")
-    parser.add_argument("--seed", type=int, default=defaults.seed, help="random seed")
+    parser.add_argument("--seed", type=_seed, default=defaults.seed, help="random seed")
     parser.add_argument("--no-augment", dest="augment", action="store_false",
                         help="train without random shifts and flips (on by default)")
     parser.add_argument("--precision", default=defaults.precision,
