@@ -418,6 +418,26 @@ def test_project_flags_are_checked(tmp_path, capsys):
         assert flags[0] in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--setups", ""], "--setups names no setup. Received: --setups ''"),
+    (["--setups", " , "], "--setups names no setup"),
+    (["--setups", "plain-1,ours-2,plain-1"], "--setups names plain-1 more than once"),
+    (["--output", "{file}"], "is a file; choose another --output"),
+])
+def test_bench_refuses_no_setups_repeated_ones_and_a_file_for_output(flags, message, tmp_path,
+                                                                      capsys):
+    """Before: an empty --setups ran the default setups, a repeated one ran twice per round,
+    and an --output that is a file failed with "[Errno 17] File exists" after the setups
+    were chosen."""
+    afile = tmp_path / "results.txt"
+    afile.write_text("")
+    flags = [f.format(file=afile) for f in flags]
+    output = [] if "--output" in flags else ["--output", str(tmp_path / "x")]
+    assert cli.main(["bench", "--rounds", "1", *output, *flags]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
 def test_project_measures_ours_1_once(tmp_path, capsys):
     code = cli.main(["bench", "--project", "--model", "dense", "--batch-per-device", "32",
                      "--samples", "1024", "--hosts", "1,4", "--output", str(tmp_path)])

@@ -7,6 +7,7 @@ import os
 
 from keras_multigpu import devices as devices_lib
 from keras_multigpu._cli_args import UsageError, _needs_experiment
+from keras_multigpu._cli_output import _check_output
 
 
 def cmd_devices(args):
@@ -75,8 +76,17 @@ def cmd_bench(args):
 
     if args.project:
         return _cmd_project(args)
-    if args.setups:
-        setups = [bench.parse(name) for name in args.setups.split(",") if name.strip()]
+    _check_output(args.output, overwrite=True)  # bench replaces its own results
+    if args.setups is not None:
+        names = [name.strip() for name in args.setups.split(",") if name.strip()]
+        if not names:
+            raise UsageError(f"--setups names no setup. Received: --setups {args.setups!r}; "
+                             "pass e.g. --setups plain-1,ours-2, or leave it out for the defaults")
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise UsageError(f"--setups names {', '.join(repeated)} more than once. Received: "
+                             f"--setups {args.setups!r}; --rounds repeats every setup")
+        setups = [bench.parse(name) for name in names]
     else:
         found = devices_lib.list_devices()
         count = args.devices or (len(found) if found[0].kind == "gpu" else 2)
