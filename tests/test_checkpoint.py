@@ -511,6 +511,8 @@ def test_bad_arguments_and_inputs_are_refused_clearly(tmp_path):
     with pytest.raises(ValueError, match="not both"):
         Checkpoint(tmp_path, save_freq=2, every_steps=3)
     assert Checkpoint(tmp_path, every_steps=3).save_freq == 3  # the earlier name
+    with pytest.raises(ValueError, match="every_steps must be an int >= 1 .* every_steps=-1"):
+        Checkpoint(tmp_path, every_steps=-1)
     assert Checkpoint(tmp_path).every_steps is None
     with pytest.raises(ValueError, match="keep must be an int >= 1"):
         Checkpoint(tmp_path, keep="3")

@@ -140,7 +140,9 @@ class Checkpoint(CheckpointState, keras.callbacks.Callback):
         super().__init__()
         if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
             raise TypeError(f"directory must be a folder path. Received: {directory!r}.")
+        name, choices = "save_freq", "'epoch' (a checkpoint at each epoch's end) or an int >= 1"
         if every_steps is not None:
+            name, choices = "every_steps", "an int >= 1"
             if save_freq != "epoch":
                 raise ValueError(
                     "Pass save_freq or every_steps (its earlier name), not both. Received: "
@@ -149,8 +151,8 @@ class Checkpoint(CheckpointState, keras.callbacks.Callback):
         if save_freq != "epoch" and (isinstance(save_freq, bool) or not isinstance(
                 save_freq, (int, np.integer)) or save_freq < 1):
             raise ValueError(
-                "save_freq must be 'epoch' (a checkpoint at each epoch's end) or an int >= 1 "
-                f"(every that many steps, and at epoch ends). Received: save_freq={save_freq!r}."
+                f"{name} must be {choices} "
+                f"(every that many steps, and at epoch ends). Received: {name}={save_freq!r}."
             )
         if isinstance(keep, bool) or not isinstance(keep, (int, np.integer)) or keep < 1:
             raise ValueError(f"keep must be an int >= 1. Received: keep={keep!r}.")
