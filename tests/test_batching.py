@@ -86,6 +86,13 @@ def test_plan_refuses_no_samples():
         plan(0, 4, 2)
 
 
+@pytest.mark.parametrize("flag", ["x", None, 1])
+def test_plan_refuses_a_drop_remainder_that_is_not_a_bool(flag):
+    """A string was taken for True: "drop_remainder=True with 3 samples" for 'x'."""
+    with pytest.raises(TypeError, match=rf"True or False. Received: drop_remainder={flag!r}"):
+        plan(3, 4, 2, drop_remainder=flag)
+
+
 def test_plan_refuses_drop_remainder_leaving_nothing():
     with pytest.raises(ValueError, match=r"drop_remainder=True with 3 samples and batch_size=4"):
         plan(3, 4, 2, drop_remainder=True)

@@ -80,6 +80,8 @@ def plan(num_samples, batch_size, replicas, drop_remainder=False):
     """Returns the `Plan` for one epoch, validating its arguments."""
     _check_positive_int("batch_size", batch_size)
     _check_positive_int("replicas", replicas)
+    if not isinstance(drop_remainder, (bool, np.bool_)):
+        raise TypeError(f"drop_remainder must be True or False. Received: {drop_remainder=}.")
     if num_samples < 1:
         raise ValueError(
             "The input has no samples (0 rows). Pass at least one sample."
