@@ -45,10 +45,9 @@ def _check(folder, looked):
     missing = [n for n in (*TRAIN_FILES, TEST_FILE) if not (folder / n).is_file()]
     if not missing:
         return folder
-    if folder.exists() and not folder.is_dir():
-        looked.append(f"{folder} (a file, not a folder)")
-    elif not folder.is_dir():
-        looked.append(f"{folder} (does not exist)")
+    if not folder.is_dir():
+        why = "a file, not a folder" if folder.exists() else "does not exist"
+        looked.append(f"{folder} ({why})")
     elif len(missing) == len(TRAIN_FILES) + 1:
         looked.append(f"{folder} (no CIFAR-10 batch files)")
     else:
