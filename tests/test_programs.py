@@ -103,8 +103,10 @@ def _predicts(program):
 
 
 def _close(expected, actual, what, extra_atol=0.0):
-    # On torch, the float64 runs keep float32 rounding somewhere in Keras's own loss path (one
-    # device's logged losses have float32 resolution): they are held to the float32 tolerance.
+    # On torch, the float64 runs keep float32 rounding in Keras's own loss path (one device's
+    # logged losses have float32 resolution: Keras's result_type turns float64 into float32
+    # on torch and JAX, so `ops.mean` reduces in float32; docs/semantics.md): they are held
+    # to the float32 tolerance.
     precise = keras.config.floatx() == "float64" and keras.backend.backend() != "torch"
     rtol, atol = (RTOL64, ATOL64) if precise else (RTOL, ATOL)
     atol += extra_atol
