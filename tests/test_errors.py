@@ -224,9 +224,10 @@ def test_a_numpy_int_batch_size_is_taken(parallel):
     assert np.isfinite(parallel.evaluate(x, y, batch_size=np.int32(6), verbose=0)).all()
 
 
-@pytest.mark.parametrize("call", ["evaluate", "test_on_batch"])
-def test_evaluating_before_compile_says_to_compile(model, call):
-    """Keras's torch trainer read the missing optimizer first (an AttributeError)."""
+@pytest.mark.parametrize("call", ["fit", "train_on_batch", "evaluate", "test_on_batch"])
+def test_a_call_before_compile_says_to_compile(model, call):
+    """Keras's torch trainer read the missing optimizer first (an AttributeError) in
+    `evaluate`; Keras's own message for `fit` did not say where to compile."""
     parallel = kmg.multi_gpu_model(model, gpus=engine_gpus(2))
     x, y = _data(8)
     with pytest.raises(ValueError, match=rf"compile\(\)` before `{call}\(\)`"):

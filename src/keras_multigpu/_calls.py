@@ -24,8 +24,8 @@ from keras_multigpu._replica_state import StateCheck
 
 
 def _check_compiled(model, call):
-    """Keras's own error for a model never compiled, which Keras's torch trainer does not
-    raise before `evaluate` reads the optimizer."""
+    """Keras's own error for a model never compiled (which Keras's torch trainer does not
+    raise before `evaluate` reads the optimizer), saying where to compile."""
     if not model.compiled:
         raise ValueError(f"You must call `compile()` before `{call}()`: the model (and its "
                          "wrapper) was never compiled. Call `compile(optimizer=..., "
@@ -64,6 +64,7 @@ class Calls:
         (array inputs) instead of padding it.
         """
         self._sync_compile()
+        _check_compiled(self, "fit")
         callbacks = _check_fit_arguments(epochs, initial_epoch, validation_freq, callbacks,
                                          steps_per_epoch)
         check_overwritten(self.template, self.num_replicas, backends.has(self._backend,
@@ -186,6 +187,7 @@ class Calls:
 
     def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None, return_dict=False):
         self._sync_compile()
+        _check_compiled(self, "train_on_batch")
         check_overwritten(self.template, self.num_replicas, backends.has(self._backend,
                                                                          "whole_batch"))
         batch = self._pad_one(x, y, sample_weight, class_weight)
