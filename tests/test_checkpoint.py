@@ -228,9 +228,12 @@ def test_a_damaged_checkpoint_is_named_and_the_one_before_is_used(tmp_path):
     newest = tmp_path / "ckpt-000000010" / "model.keras"
     newest.write_bytes(newest.read_bytes()[:300])  # truncated, as by a full disk
     checkpoint = Checkpoint(tmp_path, keep=5)
-    with pytest.warns(UserWarning, match="ckpt-000000010 cannot be read"):
+    with pytest.warns(UserWarning, match="ckpt-000000010 cannot be read") as caught:
         parallel.fit(*DATA, batch_size=8, epochs=2, verbose=0, callbacks=[checkpoint])
     assert checkpoint.resumed_from == str(tmp_path / "ckpt-000000005")
+    warning, = [w for w in caught if "cannot be read" in str(w.message)]
+    assert str(warning.message).endswith("Using the checkpoint before it.")
+    assert warning.filename == __file__  # shown at the `fit` call, not in the library
 
 
 def _edited_state(folder, **changes):
@@ -289,8 +292,10 @@ def test_only_damaged_checkpoints_stop_fit_with_their_names(tmp_path):
     _, parallel = _model()
     parallel.fit(*DATA, batch_size=8, epochs=1, verbose=0, callbacks=[Checkpoint(tmp_path)])
     (tmp_path / "ckpt-000000005" / "state.json").write_text("{not json")
-    with pytest.warns(UserWarning, match="ckpt-000000005 cannot be read"), pytest.raises(
-            CheckpointError, match="No checkpoint in .* can be read"):
+    # The oldest is not said to be passed over for one before it (there is none).
+    with pytest.warns(UserWarning, match="ckpt-000000005 cannot be read.*It is the oldest "
+                      "there"), pytest.raises(CheckpointError,
+                                              match="No checkpoint in .* can be read"):
         parallel.fit(*DATA, batch_size=8, epochs=2, verbose=0, callbacks=[Checkpoint(tmp_path)])
 
 

@@ -228,11 +228,13 @@ class Checkpoint(CheckpointState, keras.callbacks.Callback):
 
     def _newest_readable(self):
         found = self.checkpoints()
-        for path in reversed(found):
+        for index in reversed(range(len(found))):
             try:
-                return path, *self.read(path)
+                return found[index], *self.read(found[index])
             except CheckpointError as error:
-                warnings.warn(f"{error} Using the checkpoint before it.", stacklevel=3)
+                then = "Using the checkpoint before it." if index else "It is the oldest there."
+                # Shown at the user's `fit` (fit, _resumed_calls, resume_point, here).
+                warnings.warn(f"{error} {then}", stacklevel=5)
         if found:
             raise CheckpointError(
                 f"No checkpoint in {self.directory} can be read ({len(found)} found, all "
