@@ -90,13 +90,29 @@ def test_train_gpus_means_what_the_api_does(text, gpus):
     (["train", "--seed", "-1"], "argument --seed: expected an integer from 0 to 2**32 - 1"),
     (["train", "--seed", str(2**32)], "expected an integer from 0 to 2**32 - 1 (4294967295), "
                                       "got '4294967296'"),
+    (["launch", "-n", "0", "train.py"], "argument -n/--nproc-per-node/--nproc: expected a "
+                                        "positive integer, got '0'"),
+    (["launch", "--max-restarts", "-1", "train.py"], "argument --max-restarts"),
+    (["nosuch"], "invalid choice: 'nosuch'"),
 ])
 def test_bad_flags_exit_2_with_a_message(argv, message, capsys):
+    """In one line that names the command's --help (argparse printed its usage block
+    first: 7 lines for launch)."""
     with pytest.raises(SystemExit) as info:
         cli.main(argv)
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and err.strip().endswith("--help)"), err
+
+
+def test_launch_without_a_script_names_the_script_alone(capsys):
+    """argparse said "the following arguments are required: script, args" (args may be
+    left out)."""
+    assert cli.main(["launch", "-n", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "launch needs a script" in err and "args" not in err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_compare_gpus_stays_a_list_of_counts():

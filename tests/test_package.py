@@ -113,6 +113,23 @@ def test_the_command_starts_no_framework_and_the_library_registers_its_classes()
     assert library.stdout.split() == ["LinearScaling"], library.stdout + library.stderr
 
 
+@pytest.mark.parametrize("argv", [["devices"], ["-v", "launch", "-n", "2", "missing.py"]])
+def test_devices_and_launch_start_no_framework_with_virtual_cpu_devices_asked(argv):
+    """With KERAS_MULTIGPU_CPU_DEVICES set, importing the package configured the engine's
+    virtual devices, starting Keras and its framework (about 6 s on TensorFlow) for
+    commands that need neither; `train`, `compare` and `bench` still get them."""
+    command = _python(f"""
+        import sys
+        sys.argv = ["keras-multigpu", *{argv!r}]
+        from keras_multigpu import cli
+        code = cli.main()
+        print(code, "keras" in sys.modules, "tensorflow" in sys.modules)
+    """, env={"KERAS_MULTIGPU_CPU_DEVICES": "2"})
+    code = "0" if argv == ["devices"] else "2"
+    assert command.stdout.split()[-3:] == [code, "False", "False"], (
+        command.stdout + command.stderr)
+
+
 def test_a_missing_monitor_extra_is_named_in_one_line():
     result = _python(BLOCK.format(names=("matplotlib",)) + textwrap.dedent("""
         import keras_multigpu as kmg

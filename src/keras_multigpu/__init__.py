@@ -91,9 +91,20 @@ def _the_command():
         "-m" in argv and argv[argv.index("-m") + 1:][:1] == ["keras_multigpu.cli"])
 
 
+def _a_light_command():
+    """Whether this process is `keras-multigpu devices` or `launch`, which start no
+    framework (each of the launcher's processes imports the package itself)."""
+    if not _the_command():
+        return False
+    argv = _sys.orig_argv
+    args = argv[argv.index("-m") + 2:] if "keras_multigpu.cli" in argv else _sys.argv[1:]
+    words = [a for a in args if not a.startswith("-")]
+    return words[:1] in (["devices"], ["launch"])
+
+
 _LAUNCHED = "LOCAL_RANK" in _os.environ or "TF_CONFIG" in _os.environ
 _CPUS = _cpu_device_count()
-if not _the_command() or _LAUNCHED or _CPUS:
+if not _a_light_command() and (not _the_command() or _LAUNCHED or _CPUS):
     # Started by `keras-multigpu launch` (or torchrun), or as one of several TensorFlow
     # workers: the engine picks this process's device, or joins the other workers, before
     # the user's model is built (TensorFlow joins them only as its runtime starts). With

@@ -1,5 +1,5 @@
 """The `keras-multigpu` command's argument types: each refuses a bad value with a line that
-says what was received (argparse prints it, with the usage)."""
+says what was received (`_Parser` prints it, with where the usage is)."""
 
 import argparse
 import math
@@ -8,6 +8,14 @@ import os
 
 class UsageError(Exception):
     """A mistake in the command line, reported without a traceback."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose mistakes are one line (exit 2) that names the command's
+    `--help`, not the usage block followed by the error."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -16,6 +16,9 @@ def _default_processes():
 def cmd_launch(args):
     from keras_multigpu import launch
 
+    if args.script is None:
+        raise UsageError("launch needs a script: keras-multigpu launch -n 2 train.py [its "
+                         "arguments], or -m and a module name")
     command = (["-m"] if args.module else []) + [args.script, *args.args]
     base = dict(os.environ)
     try:

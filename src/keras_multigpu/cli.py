@@ -26,6 +26,7 @@ from keras_multigpu._cli_args import (
     _host_counts,
     _needs_experiment,
     _parameter_count,
+    _Parser,
     _port,
     _positive_float,
     _positive_int,
@@ -210,12 +211,13 @@ def cmd_compare(args):
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="keras-multigpu",
         description="Train Keras 3 models on every device of this machine.",
         epilog="Exit status: 0 done; 1 a run ended below --target-acc; 2 a bad flag, data "
-               "folder or --output; 130 stopped by Ctrl-C (train and compare keep the "
-               "epochs done: they write their files after every epoch).",
+               "folder or --output; 130 stopped by Ctrl-C, 143 by SIGTERM (train and compare "
+               "keep the epochs done: they write their files after every epoch); launch "
+               "exits with the status of the process that failed.",
         formatter_class=_Formatter,
     )
     parser.add_argument("-v", "--verbose", dest="log_info", action="store_true",
@@ -329,7 +331,9 @@ def build_parser():
                              "fails (default: KERAS_MULTIGPU_TIMEOUT, else 300)")
     launch.add_argument("-m", "--module", action="store_true",
                         help="run SCRIPT as a module, as python -m does (default: a file)")
-    launch.add_argument("script", help="the Python script (or module, with -m)")
+    # Optional for argparse, required by cmd_launch: argparse would name the optional `args`
+    # as required too ("the following arguments are required: script, args").
+    launch.add_argument("script", nargs="?", help="the Python script (or module, with -m)")
     launch.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     launch.set_defaults(func=cmd_launch)
     return parser
