@@ -145,6 +145,8 @@ def test_bad_argument_is_not_skipped(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError) as info:
         find_cifar10(missing)  # download=True, yet nothing is downloaded
     assert str(missing) in str(info.value) and "does not exist" in str(info.value)
+    # One line for the place given, with what was found there (it was a bare heading).
+    assert f"  - data_dir={missing}: {missing} (does not exist); {missing}/" in str(info.value)
 
 
 def test_a_file_given_for_the_folder_is_called_a_file(tmp_path):

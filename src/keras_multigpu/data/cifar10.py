@@ -100,7 +100,7 @@ def find_cifar10(data_dir=None, download=True):
             continue
         found = _resolve(given, looked)
         if found is None:
-            raise _not_found([f"{label}={given}:", *looked])
+            raise _not_found([f"{label}={given}: " + "; ".join(looked)])
         return found
     datasets = _keras_home() / "datasets"
     for folder in (datasets / FOLDER, datasets / f"{FOLDER}-target" / FOLDER):
