@@ -10,6 +10,7 @@ import pytest
 
 from conftest import cifar_dir
 from keras_multigpu import cli
+from keras_multigpu.data import find_cifar10
 
 pytestmark = pytest.mark.slow  # several processes or whole runs: not in the fast loop
 
@@ -35,6 +36,8 @@ def test_train_writes_every_output(tmp_path, capsys):
     assert history["devices"] == ["cpu:0", "cpu:1", "cpu:2"]
     assert history["global_batch"] == 48 and history["train_images"] == 96
     assert history["config"]["epochs"] == 2
+    # The folder the images came from, whichever way it was found (--data-dir, the variable).
+    assert history["data"] == str(find_cifar10(cifar_dir()))
     epochs = history["epochs"]
     for key in ("loss", "accuracy", "val_loss", "val_accuracy", "learning_rate", "seconds",
                 "images_per_second"):

@@ -115,9 +115,10 @@ def run(config):
     keras.utils.set_random_seed(config.seed)
     keras.config.set_dtype_policy(config.precision)
     try:
-        (x_train, y_train), (x_test, y_test) = data_lib.load_cifar10(
-            config.data_dir, config.limit
-        )
+        # The folder found (--data-dir, KERAS_MULTIGPU_DATA, Keras's cache, a download) is
+        # recorded in history.json's "data": the config holds --data-dir alone.
+        data_folder = data_lib.find_cifar10(config.data_dir)
+        (x_train, y_train), (x_test, y_test) = data_lib.load_cifar10(data_folder, config.limit)
         if not len(x_train) or not len(x_test):
             raise ValueError(
                 f"The data holds {len(x_train)} training and {len(x_test)} test images; "
@@ -148,6 +149,7 @@ def run(config):
         def write(epochs, complete):
             summary = _summarize(config, parallel, template, x_train, x_test, batch_size,
                                  epochs, time.perf_counter() - started)
+            summary["data"] = str(data_folder)
             if watch.verdict is not None:
                 summary["verdict"] = {k: watch.verdict[k] for k in (
                     "bound", "input", "communication", "lagging_device", "lines", "fixes")}
