@@ -227,6 +227,9 @@ def test_a_damaged_checkpoint_is_named_and_the_one_before_is_used(tmp_path):
                  callbacks=[Checkpoint(tmp_path, keep=5)])
     newest = tmp_path / "ckpt-000000010" / "model.keras"
     newest.write_bytes(newest.read_bytes()[:300])  # truncated, as by a full disk
+    with pytest.warns(UserWarning, match="ckpt-000000010 cannot be read") as caught:
+        assert Checkpoint(tmp_path).resume_point() == (0, 5)  # asked directly: this line
+    assert caught[0].filename == __file__
     checkpoint = Checkpoint(tmp_path, keep=5)
     with pytest.warns(UserWarning, match="ckpt-000000010 cannot be read") as caught:
         parallel.fit(*DATA, batch_size=8, epochs=2, verbose=0, callbacks=[checkpoint])
@@ -234,6 +237,26 @@ def test_a_damaged_checkpoint_is_named_and_the_one_before_is_used(tmp_path):
     warning, = [w for w in caught if "cannot be read" in str(w.message)]
     assert str(warning.message).endswith("Using the checkpoint before it.")
     assert warning.filename == __file__  # shown at the `fit` call, not in the library
+
+
+def test_a_generator_with_steps_per_epoch_saves_at_epoch_ends(tmp_path):
+    """A generator's epoch has no known length: each batch's end failed with a TypeError
+    (None + int)."""
+    _, parallel = _model()
+
+    def batches():
+        while True:
+            for i in range(0, 40, 8):
+                yield DATA[0][i:i + 8], DATA[1][i:i + 8]
+
+    parallel.fit(batches(), steps_per_epoch=3, epochs=2, verbose=0,
+                 callbacks=[Checkpoint(tmp_path)])
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-000000003", "ckpt-000000006"]
+    checkpoint = Checkpoint(tmp_path)  # and resumes at the epoch end
+    history = parallel.fit(batches(), steps_per_epoch=3, epochs=3, verbose=0,
+                           callbacks=[checkpoint])
+    assert checkpoint.resumed_from == str(tmp_path / "ckpt-000000006")
+    assert history.epoch == [2] and "ckpt-000000009" in os.listdir(tmp_path)
 
 
 def _edited_state(folder, **changes):

@@ -96,9 +96,9 @@ def _a_light_command():
     framework (each of the launcher's processes imports the package itself)."""
     if not _the_command():
         return False
-    argv = _sys.orig_argv
-    args = argv[argv.index("-m") + 2:] if "keras_multigpu.cli" in argv else _sys.argv[1:]
-    words = [a for a in args if not a.startswith("-")]
+    # The command's arguments, for its console script and for `python -m keras_multigpu.cli`
+    # alike (whose `sys.argv[0]` is "-m" while the package imports).
+    words = [a for a in _sys.argv[1:] if not a.startswith("-")]
     return words[:1] in (["devices"], ["launch"])
 
 

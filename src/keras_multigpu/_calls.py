@@ -224,7 +224,7 @@ def _resumed_calls(callbacks, dataset, initial_epoch, epochs, steps_per_epoch):
     checkpoint = next((c for c in listed if isinstance(c, Checkpoint)), None)
     if checkpoint is None or steps_per_epoch is not None or dataset is None:
         return whole
-    point = checkpoint.resume_point()
+    point = checkpoint.resume_point(_stacklevel=5)  # shown at the user's `fit`
     if point is None:
         return whole
     epoch, step = point

@@ -108,7 +108,8 @@ class CheckpointState:
         model = self._parallel()
         position = dataset.position() if dataset is not None else None
         now = dataset._generators() if hasattr(dataset, "_generators") else None
-        whole = None if dataset is None else dataset.num_batches + dataset.skip
+        known = dataset is not None and dataset.num_batches is not None  # not a generator's
+        whole = dataset.num_batches + dataset.skip if known else None
         if step == 0 or position is None or step == whole:
             # A pass not begun, or an epoch's end: the generators as they are now draw the
             # next pass (not the finished pass's start, which would draw it again).
@@ -118,7 +119,7 @@ class CheckpointState:
         state = {
             "format": CHECKPOINT_FORMAT,
             "epoch": int(epoch), "step": int(step), "global_step": int(self._global),
-            "num_batches": None if dataset is None else int(dataset.num_batches + dataset.skip),
+            "num_batches": None if whole is None else int(whole),
             "replicas": model.num_replicas,
             "optimizers": _optimizer_names(model.template),
             "optimizer_weights": _optimizer_weights(model.template),
@@ -149,7 +150,8 @@ class CheckpointState:
         template = model.template
         dataset = model._fit_dataset
         batches = state["num_batches"]
-        have = None if dataset is None else dataset.num_batches + dataset.skip
+        have = None if dataset is None or dataset.num_batches is None else (
+            dataset.num_batches + dataset.skip)
         if batches != have:
             raise CheckpointError(
                 f"Checkpoint {path} was written by a run with {batches} steps per epoch; this "
@@ -207,7 +209,7 @@ class CheckpointState:
         batching.set_generator_state(random, {"python": state["random"]["python"]})
         batching.set_generator_state(np.random, {"numpy": state["random"]["numpy"]})
         epoch, step = state["epoch"], state["step"]
-        if step >= batches:  # an epoch's end: the next begins afresh
+        if batches is not None and step >= batches:  # an epoch's end: the next afresh
             epoch, step = epoch + 1, 0
         order = None
         if "order" in arrays:

@@ -226,15 +226,14 @@ class Checkpoint(CheckpointState, keras.callbacks.Callback):
             ) from error
         return state, arrays
 
-    def _newest_readable(self):
+    def _newest_readable(self, stacklevel=3):
         found = self.checkpoints()
         for index in reversed(range(len(found))):
             try:
                 return found[index], *self.read(found[index])
             except CheckpointError as error:
                 then = "Using the checkpoint before it." if index else "It is the oldest there."
-                # Shown at the user's `fit` (fit, _resumed_calls, resume_point, here).
-                warnings.warn(f"{error} {then}", stacklevel=5)
+                warnings.warn(f"{error} {then}", stacklevel=stacklevel)
         if found:
             raise CheckpointError(
                 f"No checkpoint in {self.directory} can be read ({len(found)} found, all "
@@ -340,13 +339,14 @@ class Checkpoint(CheckpointState, keras.callbacks.Callback):
         if self.resume and found is not None:
             self._restore(*found)
 
-    def resume_point(self):
+    def resume_point(self, *, _stacklevel=3):
         """`(epoch, step)` where `fit` will resume (`step` steps of `epoch` done), or None.
 
         `ParallelModel.fit` asks before it starts, to run a resumed epoch as
-        Keras runs a whole one. The checkpoint read is kept for `on_train_begin`.
+        Keras runs a whole one. The checkpoint read is kept for `on_train_begin`. A damaged
+        checkpoint's warning is shown at the caller's line (`fit`'s: `_stacklevel=5`).
         """
-        self._found = self._newest_readable() if self.resume else None
+        self._found = self._newest_readable(_stacklevel) if self.resume else None
         if self._found is None:
             return None
         state = self._found[1]
@@ -369,24 +369,25 @@ class Checkpoint(CheckpointState, keras.callbacks.Callback):
                 self.model._replicate_state()
         self._pending_metrics = None
 
-    def _whole(self):
+    def _whole(self):  # the epoch's batches; None where unknown (a generator)
         dataset = self.model._fit_dataset
-        return None if dataset is None else dataset.num_batches + dataset.skip
+        if dataset is None or dataset.num_batches is None:
+            return None
+        return dataset.num_batches + dataset.skip
 
     def on_train_batch_end(self, batch, logs=None):
         offset = self._offset if self._epoch == self._resumed_epoch else 0
         self._in_epoch = batch + 1 + offset
         self._global = self._epoch_start_global + self._in_epoch
-        dataset = self.model._fit_dataset
-        whole = None if dataset is None else dataset.num_batches + dataset.skip
+        whole = self._whole()
         if (self.every_steps and self._global % self.every_steps == 0
                 and self._in_epoch != whole):
             self.save(self._epoch, self._in_epoch)
 
     def on_epoch_end(self, epoch, logs=None):
-        dataset = self.model._fit_dataset
-        whole = None if dataset is None else dataset.num_batches + dataset.skip
-        self.save(epoch, whole if whole is not None else self._in_epoch)
+        whole = self._whole()  # unknown (a generator's): its end is the next epoch's start
+        unknown = whole is None and self.model._fit_dataset is not None
+        self.save(epoch + 1 if unknown else epoch, 0 if unknown else whole or self._in_epoch)
 
     def on_interrupt(self):
         """After a Ctrl-C (at a step boundary): a checkpoint of the steps done."""
