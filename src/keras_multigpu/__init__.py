@@ -92,10 +92,8 @@ def _the_command():
 
 
 def _a_light_command():
-    """Whether this process is `keras-multigpu devices` or `launch`, which start no
+    """Whether the command (`_the_command()`) is `devices` or `launch`, which start no
     framework (each of the launcher's processes imports the package itself)."""
-    if not _the_command():
-        return False
     # The command's arguments, for its console script and for `python -m keras_multigpu.cli`
     # alike (whose `sys.argv[0]` is "-m" while the package imports).
     words = [a for a in _sys.argv[1:] if not a.startswith("-")]
@@ -104,7 +102,8 @@ def _a_light_command():
 
 _LAUNCHED = "LOCAL_RANK" in _os.environ or "TF_CONFIG" in _os.environ
 _CPUS = _cpu_device_count()
-if not _a_light_command() and (not _the_command() or _LAUNCHED or _CPUS):
+_COMMAND = _the_command()
+if not _COMMAND or (_LAUNCHED or _CPUS) and not _a_light_command():
     # Started by `keras-multigpu launch` (or torchrun), or as one of several TensorFlow
     # workers: the engine picks this process's device, or joins the other workers, before
     # the user's model is built (TensorFlow joins them only as its runtime starts). With

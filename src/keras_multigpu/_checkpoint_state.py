@@ -101,6 +101,14 @@ def _metric_state(model):
     return [_numpy(v) for v in variables]
 
 
+def _epoch_batches(dataset):
+    """The batches of the epoch `fit` runs (those a resume skips included); None where
+    unknown: no dataset, or a generator's."""
+    if dataset is None or dataset.num_batches is None:
+        return None
+    return dataset.num_batches + dataset.skip
+
+
 class CheckpointState:
     """`Checkpoint`'s state: `_state` (to save) and `_restore`."""
 
@@ -108,8 +116,7 @@ class CheckpointState:
         model = self._parallel()
         position = dataset.position() if dataset is not None else None
         now = dataset._generators() if hasattr(dataset, "_generators") else None
-        known = dataset is not None and dataset.num_batches is not None  # not a generator's
-        whole = dataset.num_batches + dataset.skip if known else None
+        whole = _epoch_batches(dataset)
         if step == 0 or position is None or step == whole:
             # A pass not begun, or an epoch's end: the generators as they are now draw the
             # next pass (not the finished pass's start, which would draw it again).
@@ -150,8 +157,7 @@ class CheckpointState:
         template = model.template
         dataset = model._fit_dataset
         batches = state["num_batches"]
-        have = None if dataset is None or dataset.num_batches is None else (
-            dataset.num_batches + dataset.skip)
+        have = _epoch_batches(dataset)
         if batches != have:
             raise CheckpointError(
                 f"Checkpoint {path} was written by a run with {batches} steps per epoch; this "

@@ -16,6 +16,7 @@ from keras_multigpu._checkpoint_state import (
     CHECKPOINT_FORMAT,
     CheckpointError,
     CheckpointState,
+    _epoch_batches,
     _metric_state,
 )
 
@@ -370,10 +371,7 @@ class Checkpoint(CheckpointState, keras.callbacks.Callback):
         self._pending_metrics = None
 
     def _whole(self):  # the epoch's batches; None where unknown (a generator)
-        dataset = self.model._fit_dataset
-        if dataset is None or dataset.num_batches is None:
-            return None
-        return dataset.num_batches + dataset.skip
+        return _epoch_batches(self.model._fit_dataset)
 
     def on_train_batch_end(self, batch, logs=None):
         offset = self._offset if self._epoch == self._resumed_epoch else 0
