@@ -1265,6 +1265,54 @@ def test_add_loss_summed_over_the_batch(gpus):
     _assert_same(*runs)
 
 
+class _ScalarSumEndpoint(keras.layers.Layer):
+    """`add_loss` of one value that sums over the batch's rows (`ops.sum` of every axis),
+    alone or times a constant ("scaled")."""
+
+    def __init__(self, scaled):
+        super().__init__()
+        self.scaled = scaled
+
+    def call(self, labels, predictions):
+        total = keras.ops.sum(keras.ops.square(predictions - labels))
+        self.add_loss(0.5 * total if self.scaled else total)
+        return predictions
+
+
+def _scalar_sum_model(scaled):
+    keras.utils.set_random_seed(0)
+    x = keras.Input((6,), name="x")
+    labels = keras.Input((3,), name="labels")
+    hidden = keras.layers.Dense(8, activation="tanh",
+                                kernel_regularizer=keras.regularizers.L2(0.01))(x)
+    outputs = _ScalarSumEndpoint(scaled)(labels, keras.layers.Dense(3)(hidden))
+    return keras.Model([x, labels], outputs)
+
+
+# torch's graph does not tell a constant factor from one the rows make (a Python int of
+# the replica's rows, `ops.sum(x) / k`): there a sum times a factor stays a mean (engines.md).
+@pytest.mark.parametrize(("gpus", "scaled"),
+                         [(3, False)] + ([(3, True)] if BACKEND != "torch" else []))
+def test_a_scalar_add_loss_summing_the_rows(gpus, scaled):
+    """`add_loss(ops.sum(per_row))` is one device's sum of the batch, not a mean over each
+    replica's rows, in `fit`, its validation and `evaluate` (the engine's graph tells;
+    before, on TensorFlow and torch the loss came out near 1/N of one device's). 10 rows
+    in batches of 3 leave devices without rows."""
+    x, y = _data(10)
+    inputs = {"x": x, "labels": keras.utils.to_categorical(y, 3).astype("float32")}
+    runs, evaluated = [], []
+    for count in (None, gpus):
+        model = _scalar_sum_model(scaled)
+        target = model if count is None else kmg.multi_gpu_model(model, gpus=count)
+        target.compile(optimizer=keras.optimizers.SGD(0.02))
+        history = target.fit(inputs, batch_size=3, epochs=2, shuffle=False, verbose=0,
+                             validation_data=(inputs,))
+        runs.append((model, target, history.history))
+        evaluated.append(target.evaluate(inputs, batch_size=4, verbose=0))
+    _assert_same(*runs)
+    np.testing.assert_allclose(evaluated[1], evaluated[0], rtol=RTOL, atol=ATOL)
+
+
 def _two_outputs():
     keras.utils.set_random_seed(0)
     x = keras.Input((6,))

@@ -387,6 +387,42 @@ def test_an_added_loss_summed_over_rows_or_a_mean_is_one_devices(split):
     np.testing.assert_allclose(_weighed_sum(split, parts), per_row.mean(), rtol=1e-6)
 
 
+class _Trainer:
+    """A model's stand-in, which `additional_loss` remembers its findings for."""
+
+
+@pytest.mark.parametrize("split", SPLITS, ids=str)
+def test_a_scalar_added_loss_that_sums_the_rows_is_one_devices_sum(split):
+    """A scalar `add_loss` value the engine finds to sum the replica's rows (`Replica.sums`:
+    `add_loss(ops.sum(x))`) adds up to one device's sum, and so it does in a later step
+    where the engine cannot tell (torch's evaluation, under no_grad), as the first found;
+    the second value of each step, a mean, is weighed as a mean in both."""
+    n, trainer = sum(split), _Trainer()
+    per_row = np.random.default_rng(1).uniform(size=(n,)).astype("float32")
+    aggregate = base_trainer.Trainer._aggregate_additional_loss
+
+    def step(told):
+        def added(replica, rows):
+            replica.sums = lambda replica, x: told and x is first
+            first = keras.ops.convert_to_tensor(per_row[rows].sum())
+            mean = per_row[rows].mean() if rows.stop > rows.start else np.float32("nan")
+            return [rules.additional_loss(replica, aggregate, trainer, value)
+                    for value in (first, keras.ops.convert_to_tensor(mean))]
+        return _Replicas(split).run(added)
+
+    # Before any finding, a value no graph tells of is weighed as a mean.
+    starts = np.cumsum((0,) + split)
+    as_means = sum(k / n * per_row[s:s + k].sum() for k, s in zip(split, starts))
+    np.testing.assert_allclose(_weighed_sum(split, [p[0] for p in step(None)]), as_means,
+                               rtol=1e-6)
+    for told in (True, None):
+        parts = step(told)
+        np.testing.assert_allclose(_weighed_sum(split, [p[0] for p in parts]),
+                                   per_row.sum(), rtol=1e-6)
+        np.testing.assert_allclose(_weighed_sum(split, [p[1] for p in parts]),
+                                   per_row.mean(), rtol=1e-6)
+
+
 @pytest.mark.parametrize("split", SPLITS, ids=str)
 def test_a_ctc_loss_on_a_replica_without_rows_is_empty(split):
     """Keras's `ctc_loss` refuses zero rows on TensorFlow and torch: the replicas' losses,

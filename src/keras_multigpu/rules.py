@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import functools
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -75,6 +76,7 @@ __all__ = [
     "own_call_loss",
     "global_result", "metrics_result", "generic_metrics_result", "own_logs", "wrapped_update",
     "metrics_owner", "metric_classes", "table", "installed", "suspended"]
+_SUMS = weakref.WeakKeyDictionary()  # a model's `add_loss` scalars: which sum the rows
 
 
 @dataclasses.dataclass
@@ -106,6 +108,9 @@ class Replica:
         summed: `summed(replica, loss)`, whether a step's scalar loss is a sum over this
             replica's rows, or a ratio of two such sums, rather than a mean (the engine's
             graph tells; None: every loss is taken for a mean).
+        sums: `sums(replica, x)`: whether a scalar `x` (an `add_loss` value) sums this
+            replica's rows, as `summed` tells but for ratios; None where no graph tells.
+        added: the `add_loss` values this step has summed so far.
         scaled: (what `scaled_loss` returned, the loss it was handed) for each loss that sums
             the rows in this step, which `unscaled` reads where the step takes a gradient.
     """
@@ -123,6 +128,8 @@ class Replica:
     own_step: bool = False
     weighed: bool = False
     summed: Callable | None = None
+    sums: Callable | None = None
+    added: int = 0
     scaled: list = dataclasses.field(default_factory=list)
 
 
@@ -207,13 +214,20 @@ def apply_mask(replica, original, sample_weight, mask, dtype, reduction):
 def additional_loss(replica, original, trainer, loss):
     """Keras's sum of an `add_loss` value (`original`): a value with a row per sample
     (Keras's CTC example adds one) is summed over the batch, so this replica's part is
-    rescaled as `reduction="sum"` is. Scalars (means, regularisers) are weighed as means.
+    rescaled as `reduction="sum"` is, and so is a scalar that sums such rows
+    (`add_loss(ops.sum(x))`: `Replica.sums`, else as an earlier step found). Other
+    scalars (means, regularisers) are weighed as means.
     A replica without rows adds nothing (a mean over no rows is NaN), yet still depends on
     the model, so its backward pass runs the same collectives as the others'."""
     total = _select(replica.k > 0, original(trainer, loss),
                     lambda total: keras.ops.nan_to_num(total) * 0)
     if _rank(loss) in (None, 0):
-        return total
+        summed = replica.sums is not None and replica.sums(replica, loss)
+        if replica.sums is not None:  # by its place in the step, as found before where no
+            found = _SUMS.setdefault(trainer, {})  # graph tells (torch's evaluation)
+            place, replica.added = replica.added, replica.added + 1
+            found[place] = summed = found.get(place, False) if summed is None else summed
+        return total * share(replica, total.dtype) if summed else total
     rows = keras.ops.shape(loss)[0]
     if isinstance(rows, int) and isinstance(replica.k, int):
         rows = rows == replica.k

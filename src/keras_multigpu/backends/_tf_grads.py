@@ -28,7 +28,7 @@ def tape_gradient(replica, original, self, target, sources, *args, **kwargs):
     adversarial step's input gradient) are weighed as one device's: of a mean loss, k/n of
     the replica's, since one device divides by the batch's rows; of a per-row target (a
     gradient penalty's), the replica's own. The gradient of a sum over the rows is weighed
-    as this replica's part of one device's sum (`_sums_rows`), that of a ratio of two sums
+    as this replica's part of one device's sum (`sums_rows`), that of a ratio of two sums
     by its denominator's share of the batch's (`ratio_of_sums`). Gradients with respect to
     other tensors stay the replica's own."""
     from keras_multigpu.backends._tf_rules import _reduced, _weighed  # it imports this module
@@ -68,15 +68,15 @@ def _from_part(replica, original, self, target, sources, part, *args, **kwargs):
 def summed(replica, loss):
     """`rules.Replica.summed`: whether `loss` is a sum over this replica's rows, or a ratio of
     two such sums, rather than a mean (the step's graph tells)."""
-    return _sums_rows(replica, loss) or ratio_of_sums(replica, loss) is not None
+    return sums_rows(replica, loss) or ratio_of_sums(replica, loss) is not None
 
 
 def _part(replica, target):
     """This replica's part of one device's gradient of `target`, where that is not a mean
-    over the rows: 1 for a sum over them (`_sums_rows`), the denominator's share of the
+    over the rows: 1 for a sum over them (`sums_rows`), the denominator's share of the
     batch's for a ratio of two sums (`ratio_of_sums`: sum_r (k_r / n) * (n / k_r) *
     (M_r / M) * grad_r = sum_r (M_r / M) * grad_r); None for a mean."""
-    if _sums_rows(replica, target):
+    if sums_rows(replica, target):
         return 1.0
     ratio = ratio_of_sums(replica, target)
     if ratio is None:
@@ -85,7 +85,7 @@ def _part(replica, target):
     return tf.math.divide_no_nan(ratio[1], batch)
 
 
-def _sums_rows(replica, target):
+def sums_rows(replica, target):
     """Whether the gradient of `target` is of a sum over this replica's rows, not a mean:
     every target holds the rows (a per-row loss, whose gradient is of its sum: keras-io's
     Siamese network), or sums every axis of a tensor that does (`ops.sum(per_row)`)."""
@@ -94,11 +94,28 @@ def _sums_rows(replica, target):
 
 
 def _row_sum(replica, t):
-    """Whether `t` (through casts) is a sum of every axis of a tensor of this replica's
-    rows."""
+    """Whether `t` is a sum of every axis of a tensor of this replica's rows, through casts
+    and products with a constant or a variable (`rate * ops.sum(x)`, `ops.sum(x) / 2.0`:
+    values that no row changes)."""
+    if getattr(t, "shape", None) is None or t.shape.rank != 0:
+        return False
+    while _op_type(t) in ("Cast", "Identity", "Mul", "RealDiv"):
+        if _op_type(t) in ("Cast", "Identity"):
+            t = t.op.inputs[0]
+        elif _fixed(t.op.inputs[1]):
+            t = t.op.inputs[0]
+        elif _op_type(t) == "Mul" and _fixed(t.op.inputs[0]):
+            t = t.op.inputs[1]
+        else:
+            return False
+    return (_op_type(t) == "Sum" and t.shape.rank == 0 and rows_of(replica, t.op.inputs[0]))
+
+
+def _fixed(t):
+    """Whether `t` (through casts) is a constant or a variable's value: no row changes it."""
     while _op_type(t) in ("Cast", "Identity"):
         t = t.op.inputs[0]
-    return (_op_type(t) == "Sum" and t.shape.rank == 0 and rows_of(replica, t.op.inputs[0]))
+    return _op_type(t) in ("Const", "ReadVariableOp")
 
 
 def _op_type(t):

@@ -183,6 +183,14 @@ def sums_rows(replica, tensors):
     return voted(replica, rows, [tensors], "all-reduce of a backward pass's rows")
 
 
+def sums_scalar(replica, value):
+    """`sums_rows` for an `add_loss` scalar; None where no graph tells (Keras evaluates under
+    `no_grad`), the same on every process."""
+    if isinstance(value, torch.Tensor) and value.grad_fn is None:
+        return None
+    return sums_rows(replica, value)
+
+
 def _leaves(tensors):
     """The parameters the backward pass from `tensors` accumulates into, and the other
     tensors it accumulates into (inputs made to require grad), in the graph's order (the

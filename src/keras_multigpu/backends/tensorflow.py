@@ -216,7 +216,8 @@ def run_step(step, data, rows_out=False):
     previous = getattr(replica, "state", None), getattr(replica, "losses", None)
     replica.state = rules.Replica(*_counts(data), replicas=context.num_replicas_in_sync,
                                   all_reduce=_tf_rules.all_reduce, index=_replica_id(),
-                                  traced=True, summed=_tf_grads.summed)
+                                  traced=True, summed=_tf_grads.summed,
+                                  sums=_tf_grads.sums_rows)
     replica.losses = {}  # this replica's `add_loss` values (see `_tf_rules._add_loss`)
     try:
         result = step(_dynamic_rows(untag(data)))

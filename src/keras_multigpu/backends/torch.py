@@ -229,7 +229,8 @@ def run_step(step, data, rows_out=False):
     previous = getattr(_replica, "state", None)
     _replica.state = replica = rules.Replica(k, n, start, dist.get_world_size(), _sum,
                                              index=dist.get_rank(),
-                                             summed=_torch_grads.sums_rows)
+                                             summed=_torch_grads.sums_rows,
+                                             sums=_torch_grads.sums_scalar)
     reducers = list(getattr(_installed, "reducers", {}).values())
     for reducer in reducers:
         reducer.begin(replica)
