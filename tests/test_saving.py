@@ -56,9 +56,18 @@ def trained_parallel(dense_model, gpus=4):
     return parallel, x, y
 
 
-def test_saved_file_loads_without_the_library_on_one_cpu(dense_model, tmp_path):
+# A ParallelModel's `save`, and Keras's functions handed one (which a Keras program calls as
+# well: `keras.saving.save_model(model, path)`; before, they wrote the wrapper's class, which
+# only this library loads, and on TensorFlow lost the optimizer's state).
+SAVES = {"save": lambda model, path: model.save(path),
+         "keras.saving.save_model": lambda model, path: keras.saving.save_model(model, path),
+         "keras.models.save_model": lambda model, path: keras.models.save_model(model, path)}
+
+
+@pytest.mark.parametrize("save", list(SAVES))
+def test_saved_file_loads_without_the_library_on_one_cpu(dense_model, tmp_path, save):
     parallel, x, _ = trained_parallel(dense_model)
-    parallel.save(tmp_path / "model.keras")
+    SAVES[save](parallel, tmp_path / "model.keras")
     loaded = load_elsewhere(tmp_path / "model.keras", x, tmp_path)
     assert loaded["library_imported"] is False
     assert loaded["devices"] == 1
@@ -93,9 +102,13 @@ def test_resumed_training_keeps_optimizer_state(dense_model, tmp_path):
     assert int(resumed.optimizer.iterations.numpy()) == iterations + 5
 
 
-def test_weights_load_into_a_plain_model(dense_model, tmp_path):
+@pytest.mark.parametrize("save", ["save_weights", "keras.saving.save_weights"])
+def test_weights_load_into_a_plain_model(dense_model, tmp_path, save):
     parallel, x, _ = trained_parallel(dense_model)
-    parallel.save_weights(tmp_path / "w.weights.h5")
+    if save == "save_weights":
+        parallel.save_weights(tmp_path / "w.weights.h5")
+    else:
+        keras.saving.save_weights(parallel, tmp_path / "w.weights.h5")
     plain = dense_model(seed=7)
     plain.load_weights(tmp_path / "w.weights.h5")
     expected = parallel.predict(x, verbose=0)

@@ -3,6 +3,7 @@ methods act on the template, so every file written is a plain Keras file of the 
 model, written atomically, by one process only."""
 
 import contextlib
+import functools
 import os
 import zipfile
 
@@ -10,7 +11,7 @@ import keras
 
 from keras_multigpu import processes
 from keras_multigpu._io import atomic_export, atomic_path, check_suffix, unreadable
-from keras_multigpu._keras import io_utils
+from keras_multigpu._keras import io_utils, replace_saving
 
 # What Keras's `Model.save` writes: its own format, or the legacy HDF5 one.
 SAVE_SUFFIXES = (".keras", ".h5", ".hdf5")
@@ -169,3 +170,24 @@ def _template(model):
 
 
 _TRACKED = (keras.layers.Layer, keras.Variable, keras.metrics.Metric, keras.optimizers.Optimizer)
+
+
+def save_templates():
+    """Makes `keras.saving.save_model(parallel, ...)` and `keras.saving.save_weights` (and
+    their aliases: `keras.models.save_model`) of a `ParallelModel` its own `save` and
+    `save_weights`: the template, a plain Keras file that loads without this library. Once
+    a model is wrapped (the wrapper is not a Keras class that Keras's loader knows)."""
+    for name, method in (("save_model", "save"), ("save_weights", "save_weights")):
+        if not hasattr(getattr(keras.saving, name), "_keras_multigpu_template"):
+            replace_saving(name, functools.partial(_as_template, method))
+
+
+def _as_template(method, function):
+    @functools.wraps(function)
+    def wrapper(model, *args, **kwargs):
+        if isinstance(model, TemplateFace):
+            return getattr(model, method)(*args, **kwargs)
+        return function(model, *args, **kwargs)
+
+    wrapper._keras_multigpu_template = function
+    return wrapper

@@ -37,7 +37,7 @@ from keras_multigpu._checks import (
     _optimizers,
     _step_builds_it,
 )
-from keras_multigpu._face import TemplateFace
+from keras_multigpu._face import TemplateFace, save_templates
 
 
 def multi_gpu_model(model, gpus=None, cpu_merge=True, cpu_relocation=False):
@@ -133,6 +133,7 @@ class ParallelModel(Calls, TemplateFace, keras.Model):
         # Several processes: each takes process 0's random state (shuffling, dropout), as
         # one process drawing for all of them would.
         processes.agree_on_random_state()
+        save_templates()  # keras.saving.save_model(parallel, ...) writes the template too
         # Built in the engine's scope: TensorFlow's trainer takes its strategy from it.
         with backend.scope(distribution):
             super().__init__(name=template.name)

@@ -33,7 +33,7 @@ import warnings
 
 import keras
 
-from keras_multigpu import batching, interrupt
+from keras_multigpu import _keras, batching, interrupt
 from keras_multigpu._io import atomic_path
 from keras_multigpu.devices import TIMEOUT_ENV, collective_timeout
 
@@ -378,11 +378,5 @@ def _install_saves():
     """Keras's `save_model` and `save_weights`, wherever Keras offers them
     (`keras.saving.save_model`, `keras.models.save_model`, what `Model.save` calls)."""
     for name in ("save_model", "save_weights"):
-        original = getattr(keras.saving, name)
-        if hasattr(original, "_keras_multigpu_original"):
-            continue
-        wrapper = zero_writes(original)
-        for module in list(sys.modules.values()):
-            if getattr(module, "__name__", "").split(".")[0] == "keras" \
-                    and getattr(module, name, None) is original:
-                setattr(module, name, wrapper)
+        if not hasattr(getattr(keras.saving, name), "_keras_multigpu_original"):
+            _keras.replace_saving(name, zero_writes)

@@ -14,6 +14,7 @@ deep inside `fit`.
 """
 
 import importlib
+import sys
 
 import keras
 
@@ -82,7 +83,7 @@ _MISSING = object()
 # backend.nn.{conv, depthwise_conv, separable_conv}, and everywhere backend.nn.max_pool
 # (its gradient on zero rows aborts under oneDNN);
 # patched for the process: every alias of keras.saving.{save_model, save_weights}
-# (see `processes`). Where Keras offers the class or function publicly (keras.layers,
+# (see `processes`, `_face.save_templates` and `replace_saving`). Where Keras offers the class or function publicly (keras.layers,
 # keras.metrics, keras.saving, keras.StatelessScope, keras.ops.is_tensor), it is taken from
 # there, and only its private attributes are checked here.
 PUBLIC = {
@@ -123,3 +124,15 @@ load(PUBLIC, "its engines' rules")
     io_utils,
 ) = load(COMMON, "its data path and engines")
 global_state = backend.common.global_state
+
+
+def replace_saving(name, wrap):
+    """Replaces `keras.saving.<name>` (`save_model`, `save_weights`) by `wrap(it)` in every
+    Keras module that holds it: `keras.saving`, `keras.models`, and the one `Model.save`
+    calls it from."""
+    original = getattr(keras.saving, name)
+    wrapper = wrap(original)
+    for module in list(sys.modules.values()):
+        if getattr(module, "__name__", "").split(".")[0] == "keras" \
+                and getattr(module, name, None) is original:
+            setattr(module, name, wrapper)
