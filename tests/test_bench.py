@@ -8,7 +8,7 @@ import os
 import pytest
 
 from keras_multigpu import _xla, bench, cli
-from keras_multigpu.bench import harness, scaling, setups, worker
+from keras_multigpu.bench import harness, report, scaling, setups, worker
 
 pytestmark = pytest.mark.slow  # several processes or whole runs: not in the fast loop
 
@@ -450,3 +450,26 @@ def test_project_measures_ours_1_once(tmp_path, capsys):
     assert p["source"] == "measured ours-1 compiled step" and p["parameters"] == 197322
     assert results["machine"]["devices"]
     assert "Projected efficiency from measured ours-1 compiled step" in capsys.readouterr().out
+
+
+def test_a_bench_that_measured_nothing_says_why_and_exits_1(tmp_path, capsys):
+    """Every setup failed (each round past --timeout): exit status 1, not 0, and the row
+    keeps the end of the reason ("timed out after ..."), which the first 150 characters of
+    the command line it failed with had cut off."""
+    code = cli.main(["bench", "--setups", "ours-1", "--model", "dense", "--samples", "64",
+                     "--epochs", "1", "--rounds", "1", "--timeout", "1",
+                     "--output", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert code == 1, out + err
+    row = next(line for line in out.splitlines() if line.startswith("ours-1"))
+    assert "failed in 1 round(s)" in row and row.endswith("timed out after 1.0 seconds"), row
+    assert "no setup was measured" in err
+    assert json.loads((tmp_path / "results.json").read_text())["table"] == {}
+
+
+def test_the_table_shows_no_efficiency_without_a_one_device_base():
+    row = {"devices": 2, "images_per_second": {"median": 10.0, "min": 9.0, "max": 11.0},
+           **{k: None for k in report.FIGURES if k != "images_per_second"}}
+    table = bench.format_table({"table": {"ours-2": row}, "skipped": {}, "ratios": {},
+                                "projection": None})
+    assert table.splitlines()[1].split()[-1] == "-"  # it printed 1.00

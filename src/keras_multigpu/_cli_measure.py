@@ -4,6 +4,7 @@
 import dataclasses
 import json
 import os
+import sys
 
 from keras_multigpu import devices as devices_lib
 from keras_multigpu._cli_args import UsageError, _needs_experiment
@@ -99,4 +100,8 @@ def cmd_bench(args):
                         timeout=args.timeout, step_ms=args.step_ms, parameters=args.params,
                         hosts=args.hosts, gpus_per_host=args.gpus_per_host)
     print(bench.format_table(results))
+    if not results["table"]:  # every setup failed or was skipped: no figure to show
+        print("keras-multigpu bench: no setup was measured (see the reasons above)",
+              file=sys.stderr)
+        return 1
     return 0

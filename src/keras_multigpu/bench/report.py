@@ -18,11 +18,13 @@ def format_table(results):
         lines.append(f"{name:16}{row['devices']:>4}{ips['median']:>10.1f}{ips['min']:>9.1f}"
                      f"{ips['max']:>9.1f}{median['ms_per_step']:>9.2f}"
                      f"{median['compiled_step_ms']:>9.2f}{median['outside_step_ms']:>9.2f}"
-                     f"{median['compile_seconds']:>10.1f}{row.get('efficiency', 1.0):>6.2f}")
+                     f"{median['compile_seconds']:>10.1f}"
+                     f"{_efficiency(row):>6}")
     for name, reason in results["skipped"].items():
         lines.append(f"{name:16} skipped: {reason}")
     for name, errors in results.get("failures", {}).items():
-        last = errors[-1].strip().splitlines()[-1][:150]
+        last = errors[-1].strip().splitlines()[-1]
+        last = last if len(last) <= 150 else "..." + last[-147:]  # its end says why
         lines.append(f"{name:16} failed in {len(errors)} round(s); last: {last}")
     lines += _format_fit_calls(results)
     lines += _format_collectives(results)
@@ -34,9 +36,14 @@ def format_table(results):
     if results["projection"]:
         lines += ["", *format_projection(results["projection"]).splitlines()]
     if results.get("verdicts"):
-        lines += ["", "Verdict (DeviceMonitor in each worker; see the README's \"Watching the "
-                      "devices\"):", *results["verdicts"]]
+        lines += ["", "Verdict (DeviceMonitor in each worker; see docs/monitor.md):",
+                  *results["verdicts"]]
     return "\n".join(lines)
+
+
+def _efficiency(row):
+    """The row's speed-up over ours-1 (else plain-1) per device; "-" without either."""
+    return "-" if row.get("efficiency") is None else f"{row['efficiency']:.2f}"
 
 
 def _percent(value):
