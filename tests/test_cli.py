@@ -345,3 +345,24 @@ def test_a_real_ctrl_c_on_a_piped_run(tmp_path):
     assert len(epoch_lines) == saved
     assert all(line.startswith("2/2 - ") for line in epoch_lines), epoch_lines[:2]
     assert np.isfinite(_history(out)["final_val_loss"])
+
+
+@pytest.mark.slow  # a process of its own (two on torch)
+@pytest.mark.parametrize("backend", ["tensorflow", "torch"])
+def test_train_takes_its_gpus_count_of_virtual_devices_on_every_engine(tmp_path, backend):
+    """`--gpus 2` on a machine without GPUs, KERAS_MULTIGPU_CPU_DEVICES unset, asks for two
+    virtual CPU devices as its help says: TensorFlow's run was refused ("this machine has 1
+    CPU device(s)"), and torch's two processes (the run relaunches itself) each claimed the
+    --output folder and waited for the other's model.keras (their temporary files' names
+    differed). One run, one history.json of two devices."""
+    out = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "keras_multigpu.cli", "train", "--gpus", "2", "--output",
+         str(out), "--data-dir", cifar_dir(), "--epochs", "1", "--progress", "none", *TINY],
+        capture_output=True, text=True, timeout=420, check=False,
+        env=child_env(drop=("KERAS_MULTIGPU_CPU_DEVICES",), KERAS_BACKEND=backend))
+    assert result.returncode == 0, result.stderr[-3000:]
+    history = _history(out)
+    assert history["devices"] == ["cpu:0", "cpu:1"] and history["complete"]
+    assert sorted(os.listdir(out)) == ["history.json", "model.keras", "monitor", "plot.png"]
+    assert keras.saving.load_model(out / "model.keras").name == "minigooglenet_cifar10"

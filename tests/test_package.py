@@ -130,6 +130,30 @@ def test_devices_and_launch_start_no_framework_with_virtual_cpu_devices_asked(ar
         command.stdout + command.stderr)
 
 
+@pytest.mark.parametrize("value", ["abc", "0"])
+def test_a_bad_virtual_device_count_is_one_line_for_the_command(value):
+    """A bad KERAS_MULTIGPU_CPU_DEVICES is a bad flag's one line and status 2 for every
+    command (`devices`, `--help` too), where the package's import raised it with a
+    traceback; a program importing the package still gets the ValueError."""
+    variable = {"KERAS_MULTIGPU_CPU_DEVICES": value}
+    for argv in (["devices"], ["--help"]):
+        command = _python(f"""
+            import sys
+            sys.argv = ["keras-multigpu", *{argv!r}]
+            from keras_multigpu import cli
+            cli.main()
+        """, env=variable)
+        assert command.returncode == 2, command.stdout + command.stderr
+        assert command.stderr == (
+            f"keras-multigpu: KERAS_MULTIGPU_CPU_DEVICES must be a positive integer. "
+            f"Received: KERAS_MULTIGPU_CPU_DEVICES={value!r}. Set it to the number of virtual "
+            "CPU devices you want, e.g. 4, or unset it.\n"), command.stderr
+    library = _python("import keras_multigpu", env=variable)
+    assert library.returncode == 1 and library.stderr.rstrip().endswith(
+        f"Received: KERAS_MULTIGPU_CPU_DEVICES={value!r}. Set it to the number of virtual "
+        "CPU devices you want, e.g. 4, or unset it."), library.stderr
+
+
 def test_a_missing_monitor_extra_is_named_in_one_line():
     result = _python(BLOCK.format(names=("matplotlib",)) + textwrap.dedent("""
         import keras_multigpu as kmg

@@ -12,10 +12,11 @@ parallel.fit(x, y, batch_size=64 * parallel.num_replicas, epochs=10)
 model.save("trained.keras")             # a plain Keras file
 ```
 
-Importing this package changes no environment variable and no Keras setting: Keras picks
-its backend as it always does (`KERAS_BACKEND`, else `~/.keras/keras.json`, else
-TensorFlow). It reads `KERAS_MULTIGPU_CPU_DEVICES` and, when it is set and the framework
-has not started, asks for that many virtual CPU devices.
+Importing this package changes no Keras setting: Keras picks its backend as it always
+does (`KERAS_BACKEND`, else `~/.keras/keras.json`, else TensorFlow). It reads
+`KERAS_MULTIGPU_CPU_DEVICES` and, when it is set and the framework has not started, asks
+for that many virtual CPU devices: on JAX through `XLA_FLAGS` (the one environment
+variable it sets, before JAX reads it; the processes it starts inherit it).
 """
 
 import os as _os
@@ -101,8 +102,14 @@ def _a_light_command():
 
 
 _LAUNCHED = "LOCAL_RANK" in _os.environ or "TF_CONFIG" in _os.environ
-_CPUS = _cpu_device_count()
 _COMMAND = _the_command()
+try:
+    _CPUS = _cpu_device_count()
+except ValueError as _error:
+    if not _COMMAND:
+        raise
+    print(f"keras-multigpu: {_error}", file=_sys.stderr)  # a bad variable, as a bad flag
+    raise SystemExit(2) from None
 if not _COMMAND or (_LAUNCHED or _CPUS) and not _a_light_command():
     # Started by `keras-multigpu launch` (or torchrun), or as one of several TensorFlow
     # workers: the engine picks this process's device, or joins the other workers, before

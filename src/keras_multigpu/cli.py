@@ -1,6 +1,7 @@
 """The `keras-multigpu` command: `devices`, `train`, `compare`, `bench` and `launch`.
 
-Exit status: 0 on success; 1 when a run ends below `--target-acc`; 2 for a
+Exit status: 0 on success; 1 when a run ends below `--target-acc` (or `bench` measured
+no setup); 2 for a
 user's mistake (a bad flag, data folder or `--output`), reported in one line
 without a traceback; 130 after a Ctrl-C, which `train` and `compare` report
 with what was saved (the experiment writes its files after every epoch).
@@ -55,6 +56,8 @@ def _prepare_devices(gpus):
     if gpus is not None and all(d.kind == "cpu" for d in devices_lib.list_devices()):
         if devices_lib.cpu_device_count() is None:
             needed = max(gpus) + 1 if isinstance(gpus, list) else max(gpus, 1)
+            # As if given: the device list reads it, and torch starts that many processes.
+            os.environ[devices_lib.CPU_DEVICES_ENV] = str(needed)
             backend = backends.current()
             if backends.has(backend, "cpu_devices"):
                 backend.configure_cpu_devices(needed)
@@ -214,7 +217,8 @@ def build_parser():
     parser = _Parser(
         prog="keras-multigpu",
         description="Train Keras 3 models on every device of this machine.",
-        epilog="Exit status: 0 done; 1 a run ended below --target-acc; 2 a bad flag, data "
+        epilog="Exit status: 0 done; 1 a run ended below --target-acc, or bench measured no "
+               "setup; 2 a bad flag, data "
                "folder or --output; 130 stopped by Ctrl-C, 143 by SIGTERM (train and compare "
                "keep the epochs done: they write their files after every epoch); launch "
                "exits with the status of the process that failed.",

@@ -21,7 +21,7 @@ import numpy as np
 
 from keras_multigpu import callbacks as callbacks_lib
 from keras_multigpu import data as data_lib
-from keras_multigpu import models
+from keras_multigpu import models, processes
 from keras_multigpu._io import atomic_path, write_json
 from keras_multigpu.experiment_config import Config  # noqa: F401 - its home before
 from keras_multigpu.parallel import multi_gpu_model
@@ -52,7 +52,10 @@ def build_models(mean, width=1.0, augment=True, seed=None, batchnorm=True):
 
 
 def save_model(model, path):
-    """Writes `model` to a `.keras` file atomically."""
+    """Writes `model` to a `.keras` file atomically; with several processes (torch's), Keras's
+    save, which process 0 alone writes, atomically, as the others wait (`processes`)."""
+    if processes.count() > 1:
+        return model.save(path)
     with atomic_path(path, ".keras") as tmp:
         model.save(tmp)
 
@@ -154,9 +157,10 @@ def run(config):
                 summary["verdict"] = {k: watch.verdict[k] for k in (
                     "bound", "input", "communication", "lagging_device", "lines", "fixes")}
             save_model(saved_model, paths["model.keras"])
-            write_json(paths["history.json"], {**summary, "complete": complete,
-                                               "epochs": epochs})
-            plots.training_curves(epochs, summary, paths["plot.png"])
+            if processes.rank() == 0:  # the other processes' figures are the same run's
+                write_json(paths["history.json"], {**summary, "complete": complete,
+                                                   "epochs": epochs})
+                plots.training_curves(epochs, summary, paths["plot.png"])
             return summary
 
         recorder = callbacks_lib.EpochRecorder(lambda epochs: write(epochs, False))
