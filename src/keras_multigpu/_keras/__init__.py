@@ -83,9 +83,10 @@ _MISSING = object()
 # backend.nn.{conv, depthwise_conv, separable_conv}, and everywhere backend.nn.max_pool
 # (its gradient on zero rows aborts under oneDNN);
 # patched for the process: every alias of keras.saving.{save_model, save_weights}
-# (see `processes`, `_face.save_templates` and `replace_saving`). Where Keras offers the class or function publicly (keras.layers,
-# keras.metrics, keras.saving, keras.StatelessScope, keras.ops.is_tensor), it is taken from
-# there, and only its private attributes are checked here.
+# (see `processes`, `_face.save_templates` and `replace_saving`). Where Keras offers the
+# class or function publicly (keras.layers, keras.metrics, keras.saving,
+# keras.StatelessScope, keras.ops.is_tensor), it is taken from there, and only its private
+# attributes are checked here.
 PUBLIC = {
     "keras.layers": ("Layer.add_loss", "Layer._get_own_losses", "Layer._clear_losses",
                      "BatchNormalization._moments"),
