@@ -366,3 +366,18 @@ def test_train_takes_its_gpus_count_of_virtual_devices_on_every_engine(tmp_path,
     assert history["devices"] == ["cpu:0", "cpu:1"] and history["complete"]
     assert sorted(os.listdir(out)) == ["history.json", "model.keras", "monitor", "plot.png"]
     assert keras.saving.load_model(out / "model.keras").name == "minigooglenet_cifar10"
+
+
+def test_compare_on_torch_without_gpus_is_refused_before_it_trains(tmp_path):
+    """torch runs one process per device, which `train --gpus N` starts by relaunching
+    itself; `compare` runs several device counts in one process, so on a CPU-only machine
+    it is refused at once, as `--gpus 0,1` is, not after its one-device run."""
+    for command in (["compare", "--gpus", "1,2"], ["train", "--gpus", "0,1"]):
+        result = subprocess.run(
+            [sys.executable, "-m", "keras_multigpu.cli", *command, "--output",
+             str(tmp_path / "run"), "--data-dir", cifar_dir(), "--epochs", "1", *TINY],
+            capture_output=True, text=True, timeout=240, check=False,
+            env=child_env(drop=("KERAS_MULTIGPU_CPU_DEVICES",), KERAS_BACKEND="torch"))
+        assert result.returncode == 2, result.stderr[-3000:]
+        assert "this machine has 1 CPU device(s)" in result.stderr, result.stderr[-3000:]
+        assert not (tmp_path / "run").exists()

@@ -47,19 +47,22 @@ EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
 
-def _prepare_devices(gpus):
+def _prepare_devices(gpus, processes=False):
     """Checks `gpus` against the devices; on a machine without GPUs, asks for enough
-    virtual CPU devices for it.
+    virtual CPU devices for it: on an engine of one process per device (torch), only
+    where `processes` (one run of `gpus` processes, which the run starts by relaunching
+    itself: `train --gpus N`).
 
     Runs before the framework starts; NVML is the only thing consulted.
     """
     if gpus is not None and all(d.kind == "cpu" for d in devices_lib.list_devices()):
-        if devices_lib.cpu_device_count() is None:
+        backend = backends.current()
+        virtual = backends.has(backend, "cpu_devices")
+        if devices_lib.cpu_device_count() is None and (virtual or processes):
             needed = max(gpus) + 1 if isinstance(gpus, list) else max(gpus, 1)
             # As if given: the device list reads it, and torch starts that many processes.
             os.environ[devices_lib.CPU_DEVICES_ENV] = str(needed)
-            backend = backends.current()
-            if backends.has(backend, "cpu_devices"):
+            if virtual:
                 backend.configure_cpu_devices(needed)
             devices_lib.list_devices.cache_clear()
     try:
@@ -171,7 +174,7 @@ def cmd_train(args):
     _needs_experiment(args.command)
     config = _config(args, args.gpus, args.output)
     _check_output(args.output, args.overwrite)
-    _prepare_devices(args.gpus)
+    _prepare_devices(args.gpus, processes=isinstance(args.gpus, int))
     return _train_one(config, args.target_acc, overwrite=args.overwrite)[1]
 
 
