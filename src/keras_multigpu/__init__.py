@@ -105,11 +105,10 @@ _LAUNCHED = "LOCAL_RANK" in _os.environ or "TF_CONFIG" in _os.environ
 _COMMAND = _the_command()
 try:
     _CPUS = _cpu_device_count()
-except ValueError as _error:
+except ValueError:
     if not _COMMAND:
         raise
-    print(f"keras-multigpu: {_error}", file=_sys.stderr)  # a bad variable, as a bad flag
-    raise SystemExit(2) from None
+    _CPUS = None  # the command says so in one line, as of a bad flag (`cli.main`)
 if not _COMMAND or (_LAUNCHED or _CPUS) and not _a_light_command():
     # Started by `keras-multigpu launch` (or torchrun), or as one of several TensorFlow
     # workers: the engine picks this process's device, or joins the other workers, before

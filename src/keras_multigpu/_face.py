@@ -178,8 +178,7 @@ def save_templates():
     `save_weights`: the template, a plain Keras file that loads without this library. Once
     a model is wrapped (the wrapper is not a Keras class that Keras's loader knows)."""
     for name, method in (("save_model", "save"), ("save_weights", "save_weights")):
-        if not hasattr(getattr(keras.saving, name), "_keras_multigpu_template"):
-            replace_saving(name, functools.partial(_as_template, method))
+        replace_saving(name, functools.partial(_as_template, method), "_keras_multigpu_template")
 
 
 def _as_template(method, function):

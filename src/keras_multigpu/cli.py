@@ -352,6 +352,11 @@ def _report(command, what, error):
 
 
 def main(argv=None):
+    try:
+        devices_lib.cpu_device_count()
+    except ValueError as error:  # a bad KERAS_MULTIGPU_CPU_DEVICES, as a bad flag
+        print(f"keras-multigpu: {error}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE) from None
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.log_info else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")

@@ -31,8 +31,6 @@ import sys
 import time
 import warnings
 
-import keras
-
 from keras_multigpu import _keras, batching, interrupt
 from keras_multigpu._io import atomic_path
 from keras_multigpu.devices import TIMEOUT_ENV, collective_timeout
@@ -378,5 +376,4 @@ def _install_saves():
     """Keras's `save_model` and `save_weights`, wherever Keras offers them
     (`keras.saving.save_model`, `keras.models.save_model`, what `Model.save` calls)."""
     for name in ("save_model", "save_weights"):
-        if not hasattr(getattr(keras.saving, name), "_keras_multigpu_original"):
-            _keras.replace_saving(name, zero_writes)
+        _keras.replace_saving(name, zero_writes, "_keras_multigpu_original")

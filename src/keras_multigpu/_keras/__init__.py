@@ -127,11 +127,14 @@ load(PUBLIC, "its engines' rules")
 global_state = backend.common.global_state
 
 
-def replace_saving(name, wrap):
+def replace_saving(name, wrap, marker):
     """Replaces `keras.saving.<name>` (`save_model`, `save_weights`) by `wrap(it)` in every
     Keras module that holds it: `keras.saving`, `keras.models`, and the one `Model.save`
-    calls it from."""
+    calls it from; not where the one there has the attribute `marker` (`wrap` set it, on
+    it or on a wrapper of it, whose `functools.wraps` copied it)."""
     original = getattr(keras.saving, name)
+    if hasattr(original, marker):
+        return
     wrapper = wrap(original)
     for module in list(sys.modules.values()):
         if getattr(module, "__name__", "").split(".")[0] == "keras" \
