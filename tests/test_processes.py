@@ -103,6 +103,11 @@ result["data"] = [told(padded, whole), told(padded, whole[rank::2]),
 model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
 keras.saving.save_model(model, os.path.join(folder, "direct.keras"))
 model.save(os.path.join(folder, "model.keras"))
+try:  # Keras's `overwrite` by position: refused on every process, not Keras's prompt
+    keras.saving.save_model(model, os.path.join(folder, "direct.keras"), False)
+except Exception as error:
+    result["kept"] = f"{type(error).__name__}: {error}"
+keras.saving.save_model(model, os.path.join(folder, "unzipped"), True, False)  # Keras's folder
 result["read"] = len(keras.saving.load_model(os.path.join(folder, "model.keras")).weights)
 try:  # process 0 cannot write (Keras refuses the name): every process hears why
     keras.saving.save_model(model, os.path.join(folder, "lost.txt"))
@@ -205,9 +210,11 @@ def test_processes_given_different_data_are_told_how(ran):
 
 def test_process_zero_alone_writes_a_direct_keras_save(ran):
     (first, second), _ = ran
-    assert (first["writes"], second["writes"]) == (2, 0)  # Keras refused the third by its name
+    assert (first["writes"], second["writes"]) == (3, 0)  # Keras refused the fourth by its name
     assert first["read"] == second["read"] == 2  # each read what process 0 wrote
-    assert first["files"] == second["files"] == ["direct.keras", "model.keras"]  # no leftovers
+    assert first["files"] == second["files"] == ["direct.keras", "model.keras", "unzipped"]
+    assert first["kept"].startswith("FileExistsError: ") and "overwrite=False" in first["kept"]
+    assert second["kept"].endswith(first["kept"]), second["kept"]
 
 
 def test_process_zeros_failed_save_is_every_process_error(ran):

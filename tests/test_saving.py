@@ -80,6 +80,21 @@ def test_saved_file_loads_without_the_library_on_one_cpu(dense_model, tmp_path, 
             assert json.loads(archive.read("config.json"))["class_name"] == "Sequential"
 
 
+def test_keras_save_model_arguments_by_position(dense_model, tmp_path):
+    """`keras.saving.save_model(model, path, overwrite, zipped)`: Keras's unzipped folder,
+    and overwrite=False refused (where plain Keras asks at the terminal)."""
+    parallel, x, _ = trained_parallel(dense_model)
+    keras.saving.save_model(parallel, tmp_path / "folder", True, False)
+    loaded = keras.saving.load_model(tmp_path / "folder")
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), parallel.predict(x, verbose=0),
+                               atol=1e-6)
+    for path in ("folder", "model.keras"):
+        if path.endswith(".keras"):
+            parallel.save(tmp_path / path)
+        with pytest.raises(FileExistsError, match="overwrite=False"):
+            keras.saving.save_model(parallel, tmp_path / path, False, path == "model.keras")
+
+
 def test_reload_and_rewrap_never_nests(dense_model, tmp_path):
     parallel, x, y = trained_parallel(dense_model)
     path = tmp_path / "model.keras"
