@@ -274,6 +274,9 @@ DAMAGES = {  # whole files that hold the wrong things (a hand edit, a copy gone 
     "a model without weights": lambda c: zipfile.ZipFile(c / "model.keras", "w").close(),
     "no arrays": lambda c: np.savez(c / "arrays.npz"),
     "optimizers' weights of text": lambda c: _edited_state(c, optimizer_weights="g"),
+    # (A negative step count named the next checkpoints below this one's.)
+    "a negative global step": lambda c: _edited_state(c, global_step=-5),
+    "a step past its epoch": lambda c: _edited_state(c, step=99),
 }
 
 
@@ -416,9 +419,50 @@ def test_a_full_disk_names_the_checkpoint_and_keeps_the_earlier_ones(tmp_path, m
 def test_a_checkpoint_of_other_data_is_refused(tmp_path):
     _, parallel = _model()
     parallel.fit(*DATA, batch_size=8, epochs=1, verbose=0, callbacks=[Checkpoint(tmp_path)])
-    with pytest.raises(CheckpointError, match="5 steps per epoch; this fit has 3"):
+    with pytest.raises(CheckpointError, match=r"5 steps per epoch \(batch_size=8\); this fit "
+                                              r"has 3 \(batch_size=16\)"):
         parallel.fit(*DATA, batch_size=16, epochs=2, verbose=0,
                      callbacks=[Checkpoint(tmp_path)])
+    # Another batch size of as many steps (40 rows in 5 batches of 9): resumed before.
+    with pytest.raises(CheckpointError, match=r"5 steps per epoch \(batch_size=8\); this fit "
+                                              r"has 5 \(batch_size=9\)"):
+        parallel.fit(*DATA, batch_size=9, epochs=2, verbose=0,
+                     callbacks=[Checkpoint(tmp_path)])
+
+
+def test_a_checkpoint_of_another_model_names_the_variable_not_its_values(tmp_path):
+    _, parallel = _model()
+    parallel.fit(*DATA, batch_size=8, epochs=1, verbose=0, callbacks=[Checkpoint(tmp_path)])
+    wider = kmg.multi_gpu_model(keras.Sequential([
+        keras.Input((4,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)]),
+        gpus=1)
+    wider.compile(optimizer="adam", loss="mse")
+    with pytest.raises(CheckpointError, match=r"does not fit this model") as info:
+        wider.fit(*DATA, batch_size=8, epochs=2, verbose=0, callbacks=[Checkpoint(tmp_path)])
+    said = str(info.value)
+    assert "shape=(4, 16)" in said and "value=" not in said and len(said) < 1500, said
+
+
+def test_a_checkpoint_of_every_epoch_asked_says_it_trains_nothing(tmp_path):
+    _, parallel = _model()
+    parallel.fit(*DATA, batch_size=8, epochs=2, verbose=0, callbacks=[Checkpoint(tmp_path)])
+    with pytest.warns(UserWarning, match=r"has 2 epoch\(s\) done, and this fit asks for "
+                                         r"epochs=2: it trains nothing"):
+        history = parallel.fit(*DATA, batch_size=8, epochs=2, verbose=0,
+                               callbacks=[Checkpoint(tmp_path)])
+    assert history.history == {}
+
+
+@pytest.mark.parametrize("where, said", [
+    ("", "it is a Checkpoint's directory, not one of its checkpoints. Pass a checkpoint's "
+         "folder, such as .*ckpt-000000005"),
+    ("nothing", "it is not there"),
+    ("ckpt-000000005/state.json", "it is a file, not a checkpoint's folder")])
+def test_reading_what_is_not_a_checkpoint_says_so(tmp_path, where, said):
+    _, parallel = _model()
+    parallel.fit(*DATA, batch_size=8, epochs=1, verbose=0, callbacks=[Checkpoint(tmp_path)])
+    with pytest.raises(CheckpointError, match=said):
+        Checkpoint.read(str(tmp_path / where))
 
 
 @pytest.mark.parametrize("stamped", [True, False])

@@ -356,6 +356,16 @@ def test_save_without_overwrite_onto_an_existing_file(parallel, tmp_path):
     assert all(p.name.startswith("model-") for p in tmp_path.iterdir())  # no temporary
 
 
+def test_weights_of_another_model_name_the_variable_not_its_values(parallel, dense_model,
+                                                                 tmp_path):
+    """Keras's error prints each variable it names with every value (a screenful)."""
+    target = tmp_path / "other.weights.h5"  # (on torch, process 0 writes it for every one)
+    dense_model(inputs=5).save_weights(target)
+    with pytest.raises(ValueError, match=r"other\.weights\.h5 does not fit this model") as info:
+        parallel.load_weights(target)
+    assert "shape=(6, 8)" in str(info.value) and "value=" not in str(info.value), info.value
+
+
 def test_save_weights_without_overwrite_onto_an_existing_file(parallel, tmp_path):
     target = tmp_path / f"model-{processes.rank()}.weights.h5"  # as above
     target.write_bytes(b"keep me")

@@ -1150,3 +1150,27 @@ def test_torchs_own_batch_norm_normalizes_by_the_global_batch(split):
         np.testing.assert_allclose(_numpy(mean), _numpy(one_mean), rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(_numpy(var), _numpy(one_var), rtol=1e-5, atol=1e-6)
     assert replicas.calls == [1] * len(split)  # one all-reduce of the moments per replica
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="torch's backward pass in a user's step: the "
+                                               "torch engine's rule")
+@pytest.mark.skipif(not hasattr(BaseException, "add_note"), reason="notes: Python 3.11 on")
+def test_a_torch_error_on_a_process_of_one_row_says_why_one_device_has_none():
+    """torch fails in some backward passes on a batch of one row (its Conv2D differentiated
+    twice, a gradient penalty's, in plain torch too), which one device, with every row,
+    never sees: the error then says so."""
+    from keras_multigpu.backends import _torch_grads
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("slow_conv2d: grad_weight must be contiguous")
+
+    for k, n, noted in ((1, 4, True), (0, 3, True), (2, 5, False), (1, 1, False)):
+        replica = rules.Replica(k, n, 0, 3, all_reduce=None)
+        with pytest.raises(RuntimeError, match="contiguous") as info:
+            with _torch_grads._few_rows(replica):
+                failing()
+        notes = getattr(info.value, "__notes__", [])
+        assert bool(notes) == noted, (k, n, notes)
+        if noted:
+            assert notes[0].startswith(f"keras_multigpu: this process trains on {k} row(s) of "
+                                       f"this batch of {n}")

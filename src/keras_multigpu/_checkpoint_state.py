@@ -12,6 +12,7 @@ import numpy as np
 
 from keras_multigpu import backends, batching
 from keras_multigpu._checks import _optimizers
+from keras_multigpu._io import without_values
 from keras_multigpu._keras import global_state, io_utils, seed_generator
 
 CHECKPOINT_FORMAT = 1
@@ -109,6 +110,45 @@ def _epoch_batches(dataset):
     return dataset.num_batches + dataset.skip
 
 
+# What a checkpoint's state.json holds (`CheckpointState._state`), and of which types.
+_FIELDS = {"epoch": int, "step": int, "global_step": int, "num_batches": (int, type(None)),
+           "data": dict, "random": dict}
+
+
+def _checked_state(state):
+    """`state` (state.json's), or a `CheckpointError` naming what does not fit."""
+    if not isinstance(state, dict):
+        raise CheckpointError(f"state.json holds a JSON {type(state).__name__}, not an object")
+    if state.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"format {state.get('format')!r}, expected {CHECKPOINT_FORMAT}")
+    for key, kind in _FIELDS.items():
+        if key not in state:
+            raise CheckpointError(f"state.json has no {key!r}")
+        if isinstance(state[key], bool) or not isinstance(state[key], kind):
+            raise CheckpointError(f"state.json's {key!r} is {state[key]!r}")
+    negative = [key for key in ("epoch", "step", "global_step") if state[key] < 0]
+    if negative or state["num_batches"] is not None and state["step"] > state["num_batches"]:
+        raise CheckpointError(f"state.json's {negative[0]!r} is {state[negative[0]]}" if negative
+                              else f"state.json's step {state['step']} is past its epoch's "
+                              f"{state['num_batches']} steps")
+    if "generators" not in state["data"] or not {"python", "numpy"} <= set(state["random"]):
+        raise CheckpointError("state.json lacks the data's or the random state")
+    built = state.get("optimizer_weights")  # absent from checkpoints written before it was kept
+    if built is not None and not (isinstance(built, list) and all(
+            places is None or isinstance(places, list) and all(
+                isinstance(p, int) and not isinstance(p, bool) for p in places)
+            for places in built)):
+        raise CheckpointError(f"state.json's 'optimizer_weights' is {built!r}")
+    return state
+
+
+def _batch_size(dataset):
+    """The global batch size of the epoch `fit` runs; None where its input has none of its
+    own to tell (a generator's, a PyDataset's batches)."""
+    size = getattr(dataset, "batch_size", None) if dataset is not None else None
+    return size if isinstance(size, int) and not isinstance(size, bool) else None
+
+
 class CheckpointState:
     """`Checkpoint`'s state: `_state` (to save) and `_restore`."""
 
@@ -127,6 +167,7 @@ class CheckpointState:
             "format": CHECKPOINT_FORMAT,
             "epoch": int(epoch), "step": int(step), "global_step": int(self._global),
             "num_batches": None if whole is None else int(whole),
+            "batch_size": _batch_size(dataset),
             "replicas": model.num_replicas,
             "optimizers": _optimizer_names(model.template),
             "optimizer_weights": _optimizer_weights(model.template),
@@ -158,11 +199,14 @@ class CheckpointState:
         dataset = model._fit_dataset
         batches = state["num_batches"]
         have = _epoch_batches(dataset)
-        if batches != have:
+        # (A checkpoint written before it kept its batch size: the steps alone.)
+        size, my_size = state.get("batch_size"), _batch_size(dataset)
+        if batches != have or None not in (size, my_size) and size != my_size:
             raise CheckpointError(
-                f"Checkpoint {path} was written by a run with {batches} steps per epoch; this "
-                f"fit has {have}. Resume with the same data and batch_size, or pass "
-                "resume=False (or another directory) to start afresh."
+                f"Checkpoint {path} was written by a run with {batches} steps per epoch "
+                f"(batch_size={size}); this fit has {have} (batch_size={my_size}). Resume "
+                "with the same data and batch_size, or pass resume=False (or another "
+                "directory) to start afresh."
             )
         optimizer = getattr(template, "optimizer", None)
         written, mine = state.get("optimizers"), _optimizer_names(template)
@@ -182,8 +226,10 @@ class CheckpointState:
                 warnings.filterwarnings("always", message="Skipping variable loading")
                 template.load_weights(os.path.join(path, "model.keras"))
         except (ValueError, OSError) as error:
+            # (Keras's message prints each variable it names with its values: left out.)
+            said = without_values(str(error))
             raise CheckpointError(
-                f"Checkpoint {path} does not fit this model: {error}. Resume with the "
+                f"Checkpoint {path} does not fit this model: {said}. Resume with the "
                 "program that wrote it, or pass resume=False."
             ) from error
         # Keras loads what fits and warns of the rest ("Skipping variable loading for
@@ -217,6 +263,12 @@ class CheckpointState:
         epoch, step = state["epoch"], state["step"]
         if batches is not None and step >= batches:  # an epoch's end: the next afresh
             epoch, step = epoch + 1, 0
+        epochs = (self.params or {}).get("epochs")
+        if epochs is not None and epoch >= epochs:
+            warnings.warn(
+                f"Checkpoint {path} has {epoch} epoch(s) done, and this fit asks for "
+                f"epochs={epochs}: it trains nothing. Pass a larger epochs to train on, or "
+                "resume=False (or another directory) to start afresh.", stacklevel=4)
         order = None
         if "order" in arrays:
             order = np.split(arrays["order"], np.cumsum(arrays["order_lengths"])[:-1])

@@ -10,7 +10,13 @@ import zipfile
 import keras
 
 from keras_multigpu import processes
-from keras_multigpu._io import atomic_export, atomic_path, check_suffix, unreadable
+from keras_multigpu._io import (
+    atomic_export,
+    atomic_path,
+    check_suffix,
+    unreadable,
+    without_values,
+)
 from keras_multigpu._keras import io_utils, replace_saving
 
 # What Keras's `Model.save` writes: its own format, or the legacy HDF5 one.
@@ -89,6 +95,11 @@ class TemplateFace:
             if not os.path.isfile(filepath):
                 raise
             raise unreadable(os.fspath(filepath), error) from error
+        except ValueError as error:  # another model's weights
+            said = without_values(str(error))
+            if said == str(error):
+                raise
+            raise ValueError(f"{os.fspath(filepath)} does not fit this model: {said}") from error
 
     def export(self, filepath, *args, **kwargs):
         """Exports the template (Keras's `Model.export`: a SavedModel, ONNX, ...), whole or

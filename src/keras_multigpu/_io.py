@@ -11,6 +11,7 @@ import errno
 import glob
 import json
 import os
+import re
 import shutil
 import tempfile
 
@@ -174,6 +175,12 @@ def unreadable(filepath, error):
         f"damaged ({type(error).__name__}: {error}). Load an earlier checkpoint, or save the "
         "model again."
     )
+
+
+def without_values(message):
+    """Keras's error `message` without the values of the variables it names (its load
+    errors print each whole: `<Variable path=dense/kernel, shape=(4, 16), ..., value=[[...]]>`)."""
+    return re.sub(r", value=\[.*?\]>", ">", message, flags=re.DOTALL)
 
 
 def write_json(filepath, payload):

@@ -7,7 +7,8 @@ import time
 import keras
 import numpy as np
 
-from keras_multigpu.checkpoint import CHECKPOINT_FORMAT, Checkpoint, CheckpointError  # noqa: F401
+from keras_multigpu._checkpoint_state import CHECKPOINT_FORMAT  # noqa: F401
+from keras_multigpu.checkpoint import Checkpoint, CheckpointError  # noqa: F401
 
 
 class EpochStats(keras.callbacks.Callback):

@@ -13,9 +13,9 @@ import numpy as np
 
 from keras_multigpu import _io, backends, processes
 from keras_multigpu._checkpoint_state import (
-    CHECKPOINT_FORMAT,
     CheckpointError,
     CheckpointState,
+    _checked_state,
     _epoch_batches,
     _metric_state,
 )
@@ -59,33 +59,6 @@ def _dead_leftover(name):
         return False
     owner = name.rsplit("-", 1)[-1]
     return owner.isdigit() and int(owner) != os.getpid() and not _io._alive(int(owner))
-
-
-# What a checkpoint's state.json holds (`CheckpointState._state`), and of which types.
-_FIELDS = {"epoch": int, "step": int, "global_step": int, "num_batches": (int, type(None)),
-           "data": dict, "random": dict}
-
-
-def _checked_state(state):
-    """`state` (state.json's), or a `CheckpointError` naming what does not fit."""
-    if not isinstance(state, dict):
-        raise CheckpointError(f"state.json holds a JSON {type(state).__name__}, not an object")
-    if state.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"format {state.get('format')!r}, expected {CHECKPOINT_FORMAT}")
-    for key, kind in _FIELDS.items():
-        if key not in state:
-            raise CheckpointError(f"state.json has no {key!r}")
-        if isinstance(state[key], bool) or not isinstance(state[key], kind):
-            raise CheckpointError(f"state.json's {key!r} is {state[key]!r}")
-    if "generators" not in state["data"] or not {"python", "numpy"} <= set(state["random"]):
-        raise CheckpointError("state.json lacks the data's or the random state")
-    built = state.get("optimizer_weights")  # absent from checkpoints written before it was kept
-    if built is not None and not (isinstance(built, list) and all(
-            places is None or isinstance(places, list) and all(
-                isinstance(p, int) and not isinstance(p, bool) for p in places)
-            for places in built)):
-        raise CheckpointError(f"state.json's 'optimizer_weights' is {built!r}")
-    return state
 
 
 class Checkpoint(CheckpointState, keras.callbacks.Callback):
@@ -206,6 +179,17 @@ class Checkpoint(CheckpointState, keras.callbacks.Callback):
     @staticmethod
     def read(path):
         """The state of checkpoint `path`: `(state, arrays)`; a `CheckpointError` if damaged."""
+        inside = sorted(n for n in os.listdir(path) if n.startswith(_PREFIX)) \
+            if os.path.isdir(path) else []
+        if not os.path.isdir(path) or inside and not os.path.exists(
+                os.path.join(path, "state.json")):
+            what = ("a Checkpoint's directory, not one of its checkpoints" if inside else
+                    "a file, not a checkpoint's folder" if os.path.exists(path) else
+                    "not there")
+            raise CheckpointError(
+                f"Checkpoint {path} cannot be read: it is {what}. Pass a checkpoint's folder"
+                + (f", such as {os.path.join(path, inside[-1])}." if inside else
+                   f" ({_PREFIX}<step>, in the directory given to Checkpoint)."))
         try:
             with open(os.path.join(path, "state.json")) as f:
                 state = _checked_state(json.load(f))

@@ -13,6 +13,8 @@ as one device's; `torch.autograd.grad`'s with respect to parameters are all-redu
 backward pass's are. A sum over the rows is found by the graph, in `evaluate` too
 (`compute_loss`)."""
 
+import contextlib
+
 import keras
 import torch
 
@@ -41,7 +43,8 @@ def backward(replica, original, tensors, *args, **kwargs):
         return original(tensors, *args, **kwargs)  # the buckets weigh it by k / n
     params, leaves = _leaves(tensors)  # read before the pass, which frees the graph
     before = [None if leaf.grad is None else leaf.grad.clone() for leaf in leaves]
-    result = original(tensors, *args, **kwargs)
+    with _few_rows(replica):
+        result = original(tensors, *args, **kwargs)
     grads = [p.grad for p in params if p.grad is not None]
     with torch.no_grad():
         for g, s in zip(grads, weighed_sums(replica, grads)):
@@ -75,7 +78,8 @@ def grad(replica, original, outputs, inputs, *args, **kwargs):
     targets = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
     summed = all([sums_rows(replica, rules.unscaled(replica, t))  # every process votes
                   for t in targets])
-    grads = original(outputs, inputs, *args, **kwargs)
+    with _few_rows(replica):
+        grads = original(outputs, inputs, *args, **kwargs)
     if summed:  # this process's part of one device's sum, times n / k (as `backward` scales)
         grads = [None if g is None else g * rules.share(replica, g.dtype) for g in grads]
     if not all(params):  # one device's mean divides by the batch's rows: k / n of this one's
@@ -83,6 +87,26 @@ def grad(replica, original, outputs, inputs, *args, **kwargs):
     grads = tuple(weighed_sums(replica, grads))
     replica.reduced.extend(g for g in grads if g is not None)
     return grads
+
+
+@contextlib.contextmanager
+def _few_rows(replica):
+    """torch's own error in a step's backward pass on a process dealt one row (or none) of
+    a batch of several, with a note that says why one device, with all of them, has none:
+    torch's Conv2D differentiated twice (a gradient penalty) fails on a batch of one row,
+    in plain torch too."""
+    try:
+        yield
+    except RuntimeError as error:
+        if isinstance(replica.k, int) and replica.k < 2 <= replica.n and hasattr(
+                error, "add_note"):
+            error.add_note(
+                f"keras_multigpu: this process trains on {replica.k} row(s) of this batch of "
+                f"{replica.n} (a last batch smaller than twice the process count), and torch "
+                "fails so here where one device, with all of them, does not (its Conv2D "
+                "differentiated twice fails on one row). Pass a batch_size that leaves a "
+                "last batch of at least 2 rows per process, or drop_remainder=True to fit.")
+        raise
 
 
 def weighed_sums(replica, grads, variables=None):
