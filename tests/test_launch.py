@@ -133,8 +133,8 @@ def test_a_rank_that_dies_at_start_stops_the_others(tmp_path):
         assert _gone(int((tmp_path / f"pid{rank}").read_text()))
 
 
-# A model trained on the torch backend; argv: output folder, then "kill" or "hang" to make
-# rank 1 die or stall as its second epoch begins.
+# A model trained on the torch backend; argv: output folder, then "kill", "hang" or "leave"
+# to make rank 1 die, stall or exit with status 0 as its second epoch begins.
 TRAIN = """
 import json, os, signal, sys, time
 os.environ["KERAS_BACKEND"] = "torch"
@@ -157,6 +157,8 @@ class Fault(keras.callbacks.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
         if epoch == 1 and rank == "1" and fault == "hang":
             time.sleep(600)
+        if epoch == 1 and rank == "1" and fault == "leave":
+            sys.exit(0)
 
 
 parallel = kmg.multi_gpu_model(model)
@@ -257,6 +259,16 @@ def test_a_rank_killed_mid_training_is_named(tmp_path):
     assert result.returncode == 128 + signal.SIGKILL
     assert "rank 1 of 2 was killed by SIGKILL" in result.stderr
     assert not list(tmp_path.glob("result-*.json"))
+
+
+def test_a_rank_that_leaves_early_with_status_0_is_named(tmp_path):
+    """Rank 0 fails waiting for it (a CollectiveError, for a peer): rank 1 was blamed."""
+    script = _script(tmp_path, "train.py", TRAIN)
+    result = _run([*LAUNCH, "-n", "2", "--timeout", "30", script, str(tmp_path), "leave"],
+                  tmp_path, timeout=200)
+    assert result.returncode == 1
+    assert ("rank 1 of 2 exited with status 0 while the others still ran, and rank 0 then "
+            "failed waiting for it") in result.stderr, result.stderr[-3000:]
 
 
 def test_a_rank_that_hangs_is_caught_by_the_timeout(tmp_path):

@@ -320,6 +320,7 @@ def _run_group(nproc, command, address, port, quiet_ranks, timeout, grace, base_
             if failed is not None or not running:
                 break
             time.sleep(0.05)
+        first = failed
         if failed is not None:
             failed = _root_cause(ranks, failed)
             _stop(ranks, send, grace)
@@ -343,9 +344,14 @@ def _run_group(nproc, command, address, port, quiet_ranks, timeout, grace, base_
     code = failed.process.returncode
     lines = "\n".join(f"    {line}" for line in failed.tail) or "    (it printed nothing)"
     others = [r.rank for r in ranks if r is not failed]
+    said = _describe_exit(code)
+    if code == 0:  # it left early, and the others failed waiting for it
+        said += (f" while the others still ran, and rank {first.rank} then failed waiting for "
+                 "it (every process must run the whole program)")
+        code = first.process.returncode
     with lock:
         err.write(
-            f"keras-multigpu launch: rank {failed.rank} of {world} {_describe_exit(code)}. "
+            f"keras-multigpu launch: rank {failed.rank} of {world} {said}. "
             f"Its last lines:\n{lines}\n"
             + (f"keras-multigpu launch: stopped the other rank(s) {others}.\n" if others else "")
         )
@@ -372,7 +378,11 @@ def _root_cause(ranks, first):
             reader.join(timeout=1)
         if not any(marker in line for line in rank.tail for marker in _SECONDARY):
             return rank
-    return first
+    # Every failure is for a peer: one that left early with status 0 (a `sys.exit(0)` in
+    # the middle of the program) is the cause.
+    early = [r for r in ranks if r.process.poll() == 0 and r.ended_at is not None
+             and r.ended_at <= first.ended_at]
+    return min(early, key=lambda r: r.ended_at) if early else first
 
 
 def _stop(ranks, send, grace):
