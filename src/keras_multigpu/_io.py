@@ -164,7 +164,17 @@ def writable_folder(folder, what, advice):
             pass
         os.remove(probe)
     except OSError as error:
-        raise OSError(error.errno, f"{what}: {error.strerror}. {advice}") from error
+        reason = error.strerror
+        if error.errno in (errno.EEXIST, errno.ENOTDIR):
+            reason = next((f"{path} is a file, not a folder" for path in _prefixes(folder)
+                           if os.path.exists(path) and not os.path.isdir(path)), reason)
+        raise OSError(error.errno, f"{what}: {reason}. {advice}") from error
+
+
+def _prefixes(folder):
+    """`a`, `a/b`, `a/b/c` for the folder `a/b/c`, as it was given."""
+    parts = os.path.normpath(os.fspath(folder)).split(os.sep)
+    return [os.sep.join(parts[:i]) or os.sep for i in range(1, len(parts) + 1)]
 
 
 def unreadable(filepath, error):
