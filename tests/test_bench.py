@@ -21,6 +21,9 @@ def test_setup_names():
     for bad in ("ours", "ours-0", "horovod-2", "plain-2", "ours-x"):
         with pytest.raises(ValueError, match=bad):
             bench.parse(bad)
+    with pytest.raises(ValueError, match=r"runs on 1 device or more\. Received: 'ours-0'; "
+                                         r"pass ours-1"):  # (it said "Unknown setup")
+        bench.parse("ours-0")
     assert bench.parse("ours_tf-2").backend == "tensorflow"
     for bad in ("plain_tf-2", "ours_jax-2"):
         with pytest.raises(ValueError, match=bad):

@@ -109,7 +109,10 @@ class Setup:
 
 def parse(name):
     engine, _, devices = name.rpartition("-")
-    if engine not in TRAIN or not devices.isdigit() or int(devices) < 1:
+    if engine in TRAIN and devices.isdigit() and int(devices) < 1:
+        raise ValueError(f"A setup runs on 1 device or more. Received: {name!r}; pass "
+                         f"{engine}-1 or more.")
+    if engine not in TRAIN or not devices.isdigit():
         raise ValueError(
             f"Unknown setup {name!r}: expected ENGINE-DEVICES with ENGINE in "
             f"{sorted(TRAIN)}, e.g. ours-2."
