@@ -160,6 +160,15 @@ def test_an_output_that_is_a_file_is_refused(tmp_path, capsys, command):
     assert "--output is empty" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(not os.path.isdir("/sys"), reason="sysfs (Linux): a folder no one, root "
+                                                      "included, creates folders in")
+def test_an_output_that_cannot_be_written_says_what_to_do():
+    with pytest.raises(OSError, match=r"--output /sys/keras-multigpu-test cannot be written: "
+                                      r".*\. Choose an --output folder this user can write to"):
+        with cli._claimed("/sys/keras-multigpu-test", overwrite=False):
+            pass
+
+
 @pytest.mark.parametrize("command", ["train", "compare"])
 def test_an_earlier_run_is_not_overwritten(tmp_path, capsys, command):
     (tmp_path / "history.json").write_text("{}")

@@ -5,6 +5,7 @@ import contextlib
 import os
 
 from keras_multigpu._cli_args import UsageError
+from keras_multigpu._io import writable_folder
 
 LOCK_NAME = ".keras-multigpu.lock"
 
@@ -76,7 +77,8 @@ def _claimed(path, overwrite):
     if int(os.environ.get("RANK") or 0) > 0:  # a launched group's: its process 0 holds it
         yield
         return
-    os.makedirs(path, exist_ok=True)
+    writable_folder(path, f"--output {path} cannot be written",
+                    "Choose an --output folder this user can write to.")
     lock = os.path.join(path, LOCK_NAME)
     handle = open(lock, "a+")  # noqa: SIM115 (held for the run)
     try:
