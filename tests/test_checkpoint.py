@@ -277,6 +277,7 @@ DAMAGES = {  # whole files that hold the wrong things (a hand edit, a copy gone 
     # (A negative step count named the next checkpoints below this one's.)
     "a negative global step": lambda c: _edited_state(c, global_step=-5),
     "a step past its epoch": lambda c: _edited_state(c, step=99),
+    "a batch size of text": lambda c: _edited_state(c, batch_size="8"),
 }
 
 

@@ -1164,11 +1164,18 @@ def test_a_torch_error_on_a_process_of_one_row_says_why_one_device_has_none():
     def failing(*args, **kwargs):
         raise RuntimeError("slow_conv2d: grad_weight must be contiguous")
 
-    for k, n, noted in ((1, 4, True), (0, 3, True), (2, 5, False), (1, 1, False)):
+    from keras_multigpu.processes import CollectiveError
+
+    def lost(*args, **kwargs):  # another process's failure: not this one's rows
+        raise CollectiveError("contiguous? no: a process stopped")
+
+    for k, n, fail, noted in ((1, 4, failing, True), (0, 3, failing, True),
+                              (2, 5, failing, False), (1, 1, failing, False),
+                              (1, 4, lost, False)):
         replica = rules.Replica(k, n, 0, 3, all_reduce=None)
         with pytest.raises(RuntimeError, match="contiguous") as info:
             with _torch_grads._few_rows(replica):
-                failing()
+                fail()
         notes = getattr(info.value, "__notes__", [])
         assert bool(notes) == noted, (k, n, notes)
         if noted:

@@ -126,6 +126,9 @@ def _checked_state(state):
             raise CheckpointError(f"state.json has no {key!r}")
         if isinstance(state[key], bool) or not isinstance(state[key], kind):
             raise CheckpointError(f"state.json's {key!r} is {state[key]!r}")
+    size = state.get("batch_size")  # (absent from checkpoints written before it was kept)
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int)):
+        raise CheckpointError(f"state.json's 'batch_size' is {size!r}")
     negative = [key for key in ("epoch", "step", "global_step") if state[key] < 0]
     if negative or state["num_batches"] is not None and state["step"] > state["num_batches"]:
         raise CheckpointError(f"state.json's {negative[0]!r} is {state[negative[0]]}" if negative

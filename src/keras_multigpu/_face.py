@@ -58,11 +58,13 @@ class TemplateFace:
         """Saves the template as a plain Keras file, atomically (by one process only):
         `.keras`, or Keras's legacy HDF5 (`.h5`, `.hdf5`), as `Model.save` takes them;
         with `zipped=False`, Keras's unzipped folder (written in place, by Keras)."""
-        if not overwrite and os.path.exists(filepath):
-            raise FileExistsError(f"{filepath} exists and overwrite=False.")
         if zipped is False:
+            if not overwrite and os.path.exists(filepath):
+                raise FileExistsError(f"{filepath} exists and overwrite=False.")
             return self.template.save(filepath, zipped=False, **kwargs)
         filepath = check_suffix(filepath, SAVE_SUFFIXES)
+        if not overwrite and os.path.exists(filepath):
+            raise FileExistsError(f"{filepath} exists and overwrite=False.")
         if self._backend.process_count() > 1:
             # The engine writes on the first process, atomically, and waits for it.
             return self.template.save(filepath, **kwargs)

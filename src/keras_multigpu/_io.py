@@ -190,7 +190,7 @@ def unreadable(filepath, error):
 def without_values(message):
     """Keras's error `message` without the values of the variables it names (its load
     errors print each whole: `<Variable path=dense/kernel, shape=(4, 16), ..., value=[[...]]>`)."""
-    return re.sub(r", value=\[.*?\]>", ">", message, flags=re.DOTALL)
+    return re.sub(r", value=(?:\[.*?\]|[^>]*)>", ">", message, flags=re.DOTALL)
 
 
 def write_json(filepath, payload):

@@ -179,8 +179,11 @@ class Checkpoint(CheckpointState, keras.callbacks.Callback):
     @staticmethod
     def read(path):
         """The state of checkpoint `path`: `(state, arrays)`; a `CheckpointError` if damaged."""
-        inside = sorted(n for n in os.listdir(path) if n.startswith(_PREFIX)) \
-            if os.path.isdir(path) else []
+        try:
+            inside = sorted(n for n in os.listdir(path)
+                            if n.startswith(_PREFIX) and n[len(_PREFIX):].isdigit())
+        except OSError:  # not a folder, or not one to list (then read below, and named)
+            inside = []
         if not os.path.isdir(path) or inside and not os.path.exists(
                 os.path.join(path, "state.json")):
             what = ("a Checkpoint's directory, not one of its checkpoints" if inside else

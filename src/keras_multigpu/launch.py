@@ -30,6 +30,7 @@ import collections
 import contextlib
 import ctypes
 import json
+import math
 import os
 import shlex
 import signal
@@ -309,12 +310,13 @@ def _run_group(nproc, command, address, port, quiet_ranks, timeout, grace, base_
         failed = None
         while True:
             running = False
+            now = time.monotonic()  # (one time for every rank seen ended in this pass)
             for rank in ranks:
                 code = rank.process.poll()
                 if code is None:
                     running = True
                 elif rank.ended_at is None:
-                    rank.ended_at = time.monotonic()
+                    rank.ended_at = now
                     if code != 0 and failed is None and not interrupted:
                         failed = rank
             if failed is not None or not running:
@@ -378,11 +380,10 @@ def _root_cause(ranks, first):
             reader.join(timeout=1)
         if not any(marker in line for line in rank.tail for marker in _SECONDARY):
             return rank
-    # Every failure is for a peer: one that left early with status 0 (a `sys.exit(0)` in
-    # the middle of the program) is the cause.
-    early = [r for r in ranks if r.process.poll() == 0 and r.ended_at is not None
-             and r.ended_at <= first.ended_at]
-    return min(early, key=lambda r: r.ended_at) if early else first
+    # Every failure is for a peer: one that left with status 0 (a `sys.exit(0)` in the
+    # middle of the program), before them or while they failed, is the cause.
+    early = [r for r in ranks if r.process.poll() == 0]
+    return min(early, key=lambda r: r.ended_at or math.inf) if early else first
 
 
 def _stop(ranks, send, grace):

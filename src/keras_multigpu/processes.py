@@ -25,7 +25,6 @@ With one process none of it acts.
 
 import contextlib
 import functools
-import inspect
 import json
 import os
 import sys
@@ -337,13 +336,15 @@ def zero_writes(function):
     restore-only) cost nothing and shift no count.
     """
 
-    signature = inspect.signature(function)
+    signature = _keras.save_signature(function)
 
     @functools.wraps(function)
     def wrapper(model, filepath, *args, **kwargs):
         if count() == 1:
             return function(model, filepath, *args, **kwargs)
-        kwargs = _by_name(signature, model, filepath, *args, **kwargs)
+        named = _keras.by_name(signature, model, filepath, *args, **kwargs)
+        if named is not None:
+            args, kwargs = (), named
         try:
             path = os.path.abspath(os.fspath(filepath))
         except TypeError:  # a file object: only process 0 writes to it
@@ -358,10 +359,10 @@ def zero_writes(function):
                 if not kwargs.pop("overwrite", True) and os.path.exists(path):
                     raise FileExistsError(f"{path} exists and overwrite=False.")
                 if kwargs.get("zipped") is False:  # Keras's unzipped folder, written in place
-                    result = _store.alone(function, model, filepath, **kwargs)
+                    result = _store.alone(function, model, filepath, *args, **kwargs)
                 else:
                     with atomic_path(path, suffix) as tmp:
-                        result = _store.alone(function, model, tmp, **kwargs)
+                        result = _store.alone(function, model, tmp, *args, **kwargs)
             except BaseException as error:
                 _put(key, json.dumps(f"{type(error).__name__}: {error}"))
                 raise
@@ -377,19 +378,6 @@ def zero_writes(function):
 
     wrapper._keras_multigpu_original = function
     return wrapper
-
-
-def _by_name(signature, model, filepath, *args, **kwargs):
-    """A save's arguments after the model and the path, each by its name: Keras takes
-    `overwrite` (and `zipped`) by position too, `save_model(model, path, False)`."""
-    bound = signature.bind(model, filepath, *args, **kwargs)
-    named = {}
-    for name, value in list(bound.arguments.items())[2:]:
-        if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
-            named.update(value)
-        else:
-            named[name] = value
-    return named
 
 
 def _install_saves():

@@ -14,6 +14,7 @@ deep inside `fit`.
 """
 
 import importlib
+import inspect
 import sys
 
 import keras
@@ -140,3 +141,29 @@ def replace_saving(name, wrap, marker):
         if getattr(module, "__name__", "").split(".")[0] == "keras" \
                 and getattr(module, name, None) is original:
             setattr(module, name, wrapper)
+
+
+def save_signature(function):
+    """`inspect.signature` of a Keras save function; None where it has none to read."""
+    try:
+        return inspect.signature(function)
+    except (TypeError, ValueError):
+        return None
+
+
+def by_name(signature, model, filepath, *args, **kwargs):
+    """A save's arguments after the model and the path, each by its name: Keras takes
+    `overwrite` (and `zipped`) by position too, `save_model(model, path, False)`. None
+    where the function does not name them so (not Keras's own)."""
+    kinds = [p.kind for p in signature.parameters.values()][:2] if signature else []
+    if kinds != [inspect.Parameter.POSITIONAL_OR_KEYWORD] * 2 or any(
+            p.kind is inspect.Parameter.VAR_POSITIONAL for p in signature.parameters.values()):
+        return None
+    bound = signature.bind(model, filepath, *args, **kwargs)
+    named = {}
+    for name, value in list(bound.arguments.items())[2:]:
+        if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        else:
+            named[name] = value
+    return named

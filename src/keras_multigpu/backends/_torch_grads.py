@@ -95,17 +95,21 @@ def _few_rows(replica):
     a batch of several, with a note that says why one device, with all of them, has none:
     torch's Conv2D differentiated twice (a gradient penalty) fails on a batch of one row,
     in plain torch too."""
+    from keras_multigpu.processes import CollectiveError
+
     try:
         yield
     except RuntimeError as error:
         if isinstance(replica.k, int) and replica.k < 2 <= replica.n and hasattr(
-                error, "add_note"):
+                error, "add_note") and not isinstance(
+                    error, (CollectiveError, torch.cuda.OutOfMemoryError)):
             error.add_note(
                 f"keras_multigpu: this process trains on {replica.k} row(s) of this batch of "
-                f"{replica.n} (a last batch smaller than twice the process count), and torch "
-                "fails so here where one device, with all of them, does not (its Conv2D "
-                "differentiated twice fails on one row). Pass a batch_size that leaves a "
-                "last batch of at least 2 rows per process, or drop_remainder=True to fit.")
+                f"{replica.n}. Where this is torch failing on so few rows (its Conv2D "
+                "differentiated twice fails on one row), one device, with all of them, does "
+                "not: give every process at least 2 rows of each batch, the last included "
+                "(a batch_size of 2 rows per process or more, and drop_remainder=True to fit "
+                "where only the last batch is short).")
         raise
 
 
