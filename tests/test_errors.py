@@ -3,6 +3,7 @@ engine; on torch each test runs in TORCH_WORLD processes, each wrapping its own 
 
 import re
 import signal
+import time
 import zipfile
 
 import keras
@@ -364,6 +365,21 @@ def test_weights_of_another_model_name_the_variable_not_its_values(parallel, den
     with pytest.raises(ValueError, match=r"other\.weights\.h5 does not fit this model") as info:
         parallel.load_weights(target)
     assert "shape=(6, 8)" in str(info.value) and "value=" not in str(info.value), info.value
+
+
+@pytest.mark.parametrize("method, name", [("save", "new.keras"),
+                                          ("save_weights", "new.weights.h5")])
+def test_save_without_overwrite_onto_a_new_path_writes_it_on_every_process(
+        parallel, tmp_path, method, name):
+    """Every process looks before any writes: process 0 wrote and went on, and a process
+    behind it found the file and raised alone (torch: the others then waited for it)."""
+    target = tmp_path / name
+    if processes.rank() == 1:
+        time.sleep(1)
+    getattr(parallel, method)(target, overwrite=False)
+    assert target.exists()
+    with pytest.raises(FileExistsError, match="overwrite=False"):
+        getattr(parallel, method)(target, overwrite=False)
 
 
 def test_save_weights_without_overwrite_onto_an_existing_file(parallel, tmp_path):

@@ -59,12 +59,10 @@ class TemplateFace:
         `.keras`, or Keras's legacy HDF5 (`.h5`, `.hdf5`), as `Model.save` takes them;
         with `zipped=False`, Keras's unzipped folder (written in place, by Keras)."""
         if zipped is False:
-            if not overwrite and os.path.exists(filepath):
-                raise FileExistsError(f"{filepath} exists and overwrite=False.")
+            self._refuse_existing(filepath, overwrite)
             return self.template.save(filepath, zipped=False, **kwargs)
         filepath = check_suffix(filepath, SAVE_SUFFIXES)
-        if not overwrite and os.path.exists(filepath):
-            raise FileExistsError(f"{filepath} exists and overwrite=False.")
+        self._refuse_existing(filepath, overwrite)
         if self._backend.process_count() > 1:
             # The engine writes on the first process, atomically, and waits for it.
             return self.template.save(filepath, **kwargs)
@@ -75,12 +73,24 @@ class TemplateFace:
     def save_weights(self, filepath, overwrite=True, **kwargs):
         """Saves the template's weights (`.weights.h5`), atomically (by one process only)."""
         check_suffix(filepath, ".weights.h5")
-        if not overwrite and os.path.exists(filepath):
-            raise FileExistsError(f"{filepath} exists and overwrite=False.")
+        self._refuse_existing(filepath, overwrite)
         if self._backend.process_count() > 1:
             return self.template.save_weights(filepath, **kwargs)
         with atomic_path(filepath, ".weights.h5") as tmp:
             self.template.save_weights(tmp, **kwargs)
+
+    def _refuse_existing(self, filepath, overwrite):
+        """overwrite=False onto an existing path: `FileExistsError`, on every process alike
+        (each looks before any writes: process 0 writes and goes on, and a process behind
+        it would find its file)."""
+        if overwrite:
+            return
+        there = os.path.exists(filepath)
+        if self._backend.process_count() > 1:
+            there = any(processes.all_gather_object(
+                there, f"the check that {os.fspath(filepath)} is not there (overwrite=False)"))
+        if there:
+            raise FileExistsError(f"{filepath} exists and overwrite=False.")
 
     def load_weights(self, filepath, **kwargs):
         """Loads weights into the template; a missing or damaged file is named in the error."""
