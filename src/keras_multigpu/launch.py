@@ -322,9 +322,10 @@ def _run_group(nproc, command, address, port, quiet_ranks, timeout, grace, base_
             if failed is not None or not running:
                 break
             time.sleep(0.05)
-        first = failed
+        first, stopped = failed, []
         if failed is not None:
             failed = _root_cause(ranks, failed)
+            stopped = [r.rank for r in ranks if r.process.poll() is None]
             _stop(ranks, send, grace)
     finally:
         for sig, handler in handlers.items():
@@ -345,7 +346,6 @@ def _run_group(nproc, command, address, port, quiet_ranks, timeout, grace, base_
         return 0, False
     code = failed.process.returncode
     lines = "\n".join(f"    {line}" for line in failed.tail) or "    (it printed nothing)"
-    others = [r.rank for r in ranks if r is not failed]
     said = _describe_exit(code)
     if code == 0:  # it left early, and the others failed waiting for it
         said += (f" while the others still ran, and rank {first.rank} then failed waiting for "
@@ -355,7 +355,8 @@ def _run_group(nproc, command, address, port, quiet_ranks, timeout, grace, base_
         err.write(
             f"keras-multigpu launch: rank {failed.rank} of {world} {said}. "
             f"Its last lines:\n{lines}\n"
-            + (f"keras-multigpu launch: stopped the other rank(s) {others}.\n" if others else "")
+            + (f"keras-multigpu launch: stopped the other rank(s) {stopped}.\n" if stopped
+               else "")
         )
         err.flush()
     return (code if code > 0 else 128 - code), False
