@@ -95,6 +95,39 @@ def test_keras_save_model_arguments_by_position(dense_model, tmp_path):
             keras.saving.save_model(parallel, tmp_path / path, False, path == "model.keras")
 
 
+def _swap_save_model(old, new):
+    for module in list(sys.modules.values()):
+        if getattr(module, "__name__", "").startswith("keras") and getattr(
+                module, "save_model", None) is old:
+            module.save_model = new
+
+
+def test_keras_save_model_of_the_wrapper_counts_once_whichever_was_installed_first(
+        dense_model, tmp_path):
+    """Keras's save function replaced for the wrapper (its template) before the processes'
+    (process 0 writes) wrapped it: process 0 counted the wrapper's save and its template's,
+    the others one, and the next save's outcome read was another's (a refusal ignored)."""
+    from keras_multigpu import _face, processes
+
+    parallel, x, _ = trained_parallel(dense_model)
+    keras_own = keras.saving.save_model
+    while hasattr(keras_own, "__wrapped__"):
+        keras_own = keras_own.__wrapped__
+    installed = keras.saving.save_model
+    _swap_save_model(installed, keras_own)  # as before either was installed
+    try:
+        _face.save_templates()
+        if processes.count() > 1:
+            processes._install_saves()
+        for _ in range(2):
+            keras.saving.save_model(parallel, tmp_path / "model.keras")
+        with pytest.raises(FileExistsError, match="overwrite=False"):
+            keras.saving.save_model(parallel, tmp_path / "model.keras", False)
+        parallel.predict(x, verbose=0)  # every process in step
+    finally:
+        _swap_save_model(keras.saving.save_model, installed)
+
+
 def test_reload_and_rewrap_never_nests(dense_model, tmp_path):
     parallel, x, y = trained_parallel(dense_model)
     path = tmp_path / "model.keras"

@@ -340,7 +340,11 @@ def zero_writes(function):
 
     @functools.wraps(function)
     def wrapper(model, filepath, *args, **kwargs):
-        if count() == 1:
+        from keras_multigpu._face import TemplateFace  # (it imports this module)
+
+        # The wrapper's own save (Keras's function hands it one) saves its template through
+        # this on every process: counted there, once, and not here too on process 0 alone.
+        if count() == 1 or isinstance(model, TemplateFace):
             return function(model, filepath, *args, **kwargs)
         named = _keras.by_name(signature, model, filepath, *args, **kwargs)
         if named is not None:
