@@ -129,10 +129,11 @@ def _checked_state(state):
     size = state.get("batch_size")  # (absent from checkpoints written before it was kept)
     if size is not None and (isinstance(size, bool) or not isinstance(size, int)):
         raise CheckpointError(f"state.json's 'batch_size' is {size!r}")
-    negative = [key for key in ("epoch", "step", "global_step") if state[key] < 0]
-    if negative or state["num_batches"] is not None and state["step"] > state["num_batches"]:
-        raise CheckpointError(f"state.json's {negative[0]!r} is {state[negative[0]]}" if negative
-                              else f"state.json's step {state['step']} is past its epoch's "
+    for key in ("epoch", "step", "global_step"):
+        if state[key] < 0:
+            raise CheckpointError(f"state.json's {key!r} is {state[key]}")
+    if state["num_batches"] is not None and state["step"] > state["num_batches"]:
+        raise CheckpointError(f"state.json's step {state['step']} is past its epoch's "
                               f"{state['num_batches']} steps")
     if "generators" not in state["data"] or not {"python", "numpy"} <= set(state["random"]):
         raise CheckpointError("state.json lacks the data's or the random state")

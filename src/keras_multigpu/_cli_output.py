@@ -5,7 +5,7 @@ import contextlib
 import os
 
 from keras_multigpu._cli_args import UsageError
-from keras_multigpu._io import writable_folder
+from keras_multigpu._io import nearest_existing, writable_folder
 
 LOCK_NAME = ".keras-multigpu.lock"
 
@@ -31,9 +31,7 @@ def _check_output(path, overwrite):
         what = "a file" if os.path.isfile(path) else "not a folder"
         raise UsageError(f"--output {path} is {what}; choose another --output")
     else:
-        parent = os.path.dirname(os.path.abspath(path))
-        while not os.path.lexists(parent):
-            parent = os.path.dirname(parent)
+        parent = nearest_existing(os.path.dirname(os.path.abspath(path)))
         if not os.path.isdir(parent):
             raise UsageError(
                 f"--output {path} cannot be created: {parent} is a file, not a folder"

@@ -165,16 +165,22 @@ def writable_folder(folder, what, advice):
         os.remove(probe)
     except OSError as error:
         reason = error.strerror
-        if error.errno in (errno.EEXIST, errno.ENOTDIR):
-            reason = next((f"{path} is a file, not a folder" for path in _prefixes(folder)
-                           if os.path.exists(path) and not os.path.isdir(path)), reason)
+        blocking = nearest_existing(folder)
+        if error.errno in (errno.EEXIST, errno.ENOTDIR) and not os.path.isdir(blocking):
+            reason = f"{blocking} is a file, not a folder"
         raise OSError(error.errno, f"{what}: {reason}. {advice}") from error
 
 
-def _prefixes(folder):
-    """`a`, `a/b`, `a/b/c` for the folder `a/b/c`, as it was given."""
-    parts = os.path.normpath(os.fspath(folder)).split(os.sep)
-    return [os.sep.join(parts[:i]) or os.sep for i in range(1, len(parts) + 1)]
+def nearest_existing(path):
+    """`path` if it exists, else the nearest folder above it that does (as given, where
+    its name has one)."""
+    path = os.fspath(path)
+    while not os.path.lexists(path):
+        parent = os.path.dirname(path)
+        if parent in ("", path):
+            return os.path.abspath(parent or os.curdir)
+        path = parent
+    return path
 
 
 def unreadable(filepath, error):

@@ -95,11 +95,11 @@ def _few_rows(replica):
     a batch of several, with a note that says why one device, with all of them, has none:
     torch's Conv2D differentiated twice (a gradient penalty) fails on a batch of one row,
     in plain torch too."""
-    from keras_multigpu.processes import CollectiveError
-
     try:
         yield
     except RuntimeError as error:
+        from keras_multigpu.processes import CollectiveError  # (not on each pass's way)
+
         if isinstance(replica.k, int) and replica.k < 2 <= replica.n and hasattr(
                 error, "add_note") and not isinstance(
                     error, (CollectiveError, torch.cuda.OutOfMemoryError)):
