@@ -366,6 +366,39 @@ def test_binomial_gamma_beta_and_categorical_draws_equal_one_device(gpus):
     _assert_same(*runs)
 
 
+class _FeatureGain(keras.layers.Layer):
+    """A gain per feature, drawn each step (a probe's augmentation): a draw of 6 values, no
+    batch's, on replicas of 4, 3 and 3 rows (batches of 10 on 3 devices)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seed_generator = keras.random.SeedGenerator(5)
+
+    def call(self, x, training=False):
+        if not training:
+            return x
+        gain = keras.random.uniform((keras.ops.shape(x)[-1],), 0.8, 1.2,
+                                    seed=self.seed_generator)
+        return x * gain
+
+
+@pytest.mark.parametrize("gpus", [3])
+def test_a_draw_per_feature_a_multiple_of_some_replicas_rows_equals_one_device(gpus):
+    """On torch the replicas of 3 rows took the 6 features' draw for two blocks of their
+    rows, and drew other gains than one device: weights 0.08 apart. Each batch here splits
+    unevenly, where the replicas compare their draws' shapes."""
+    rng = np.random.default_rng(12)
+    data = (rng.normal(size=(30, 6)).astype("float32"), rng.integers(0, 3, 30))
+
+    def build():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([keras.Input((6,)), _FeatureGain(),
+                                 keras.layers.Dense(3, activation="softmax")])
+
+    runs = [_train(count, 30, 10, build=build, data=data) for count in (None, gpus)]
+    _assert_same(*runs)
+
+
 @kmg.mixes_rows
 class _MinibatchStd(keras.layers.Layer):
     """A user's layer over the batch (a GAN discriminator's minibatch standard deviation),

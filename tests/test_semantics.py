@@ -513,6 +513,27 @@ def test_a_loss_returning_its_own_mean_with_class_weights_equals_one_device():
     assert_weights_close(plain.get_weights(), template.get_weights())
 
 
+@pytest.mark.parametrize("labels", ["sparse", "one_hot"])
+def test_a_column_of_sample_weights_equals_one_device(labels):
+    """Weights of shape (rows, 1), a DataFrame's `df[["w"]].values`: Keras squeezes the
+    axis of one, for sparse labels of shape (rows,) and one-hot ones alike."""
+
+    def compile_fn(model):
+        model.compile(optimizer=keras.optimizers.SGD(0.1), metrics=["accuracy"],
+                      loss=f"{'sparse_' if labels == 'sparse' else ''}categorical_crossentropy")
+
+    x, y = classification_data(29)
+    if labels == "sparse":
+        y = np.argmax(y, axis=1)
+    weights = np.random.default_rng(1).uniform(0.5, 2.0, (29, 1)).astype("float32")
+    plain, expected, template, _, history = _fit_both(
+        _dense, compile_fn, {"x": x, "y": y, "sample_weight": weights, "batch_size": 10,
+                             "epochs": 2}, gpus=3,
+    )
+    _assert_history_close(expected, history)
+    assert_weights_close(plain.get_weights(), template.get_weights())
+
+
 # -- compile ---------------------------------------------------------------------------------
 
 

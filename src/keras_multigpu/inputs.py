@@ -179,7 +179,11 @@ def _array_feed(x, y, sample_weight, *, replicas, tag, text, options, batch_size
     if sample_weight is not None and y is not None and not tree.is_nested(sample_weight) \
             and not tree.is_nested(y):
         weights, targets = np.shape(sample_weight), np.shape(y)
-        if len(weights) > len(targets) or targets[: len(weights)] != weights:
+        # Keras squeezes a weight's trailing axes of one: (rows, 1) weighs y of (rows,).
+        kept = len(weights)
+        while kept > 1 and weights[kept - 1] == 1:
+            kept -= 1
+        if kept > len(targets) or targets[:kept] != weights[:kept]:
             raise ValueError(
                 f"sample_weight has shape {weights}, which does not match y's {targets}: pass "
                 f"one weight per sample, shape ({rows},), or per time step, a prefix of y's "

@@ -40,8 +40,11 @@ def batch_draw(replica, draw, shape, seed):
     the rows is c blocks of them, as one device's draw for c times its rows holds them (a
     GAN's noise for its real and generated rows, concatenated): this replica's rows of
     each block are taken. Other draws are the replica's own: each replica draws what one
-    device does. Eager engines see plain ints, so a first dimension that is a multiple of
-    k by chance is taken for the batch's too; traced ones take a static one for none.
+    device does. Traced engines take a static first dimension for none. Eager ones see
+    plain ints (`_eager_blocks`): where the batch splits unevenly, the replicas compare
+    theirs, and only c times each one's rows is the batch's; where it splits evenly, a
+    first dimension that is a multiple of k by chance (a per-feature draw) is taken for
+    the batch's too.
     """
     if keras.ops.is_tensor(shape):
         shape = [shape[i] for i in range(int(shape.shape[0]))]
@@ -51,7 +54,7 @@ def batch_draw(replica, draw, shape, seed):
         return draw(shape, seed)
     if not replica.traced:
         rows = int(shape[0])
-        blocks = _eager_blocks(replica, rows, seed)
+        blocks = _eager_blocks(replica, rows)
         if not blocks:
             return draw(shape, seed)
         drawn = draw([blocks * n, *shape[1:]], Drawn(seed_generator.draw_seed(seed))
@@ -77,18 +80,20 @@ def batch_draw(replica, draw, shape, seed):
     return keras.ops.cond(batch_shaped, global_rows, lambda: draw(shape, seed))
 
 
-def _eager_blocks(replica, rows, seed):
+def _eager_blocks(replica, rows):
     """How many blocks of its k rows an eager replica's draw of `rows` first holds, or 0 for
     a draw not shaped by the batch. A replica with no rows draws one block, as many numbers
     as a draw shaped by the batch (the common case) takes from the generators the others
-    draw from. A draw from a generator every replica shares (unseeded: torch's global one)
-    moves it by what the replica draws, so every replica must decide alike, or their
-    generators part for the rest of the run: where the split is uneven, a draw for the
-    batch has other rows on each replica than a draw of a constant size, so they compare
-    theirs (one small all-reduce; none where the split is even, and every replica finds
-    what the others find)."""
+    draw from. Where the split is uneven, a draw for the batch has other rows on each
+    replica than a draw of a constant size, so they compare theirs (one small all-reduce;
+    none where the split is even, and every replica finds what the others find): a
+    per-feature draw of 6 values on replicas of 4, 3 and 3 rows is no batch's, where the
+    replicas of 3 alone would take it for 2 blocks and draw other numbers than one device.
+    A draw from a generator every replica shares (unseeded: torch's global one) moves it
+    by what the replica draws, so there a replica deciding alone would part the generators
+    for the rest of the run."""
     k, n = replica.k, replica.n
-    if _seeded(seed) or n % replica.replicas == 0:
+    if n % replica.replicas == 0:
         if k == n or (k and rows % k) or bool(k) != bool(rows):
             return 0
         return rows // k if k else 1
