@@ -114,6 +114,17 @@ def test_a_port_in_use_is_named(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+def test_a_master_address_that_does_not_resolve_is_named_before_any_process_starts(tmp_path):
+    """A node's processes waited three times `--timeout` to join, and said the socket timed
+    out, not that the name does not resolve (`.invalid` never resolves: RFC 2606)."""
+    script = _script(tmp_path, "report.py", REPORT)
+    result = _run([*LAUNCH, "-n", "1", "--nnodes", "2", "--node-rank", "1", "--master-addr",
+                   "no-such-host.invalid", "--timeout", "20", script], tmp_path)
+    assert result.returncode == 2
+    assert "--master-addr 'no-such-host.invalid' does not resolve" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_a_rank_that_dies_at_start_stops_the_others(tmp_path):
     script = _script(tmp_path, "die.py", f"""
         import os, sys, time
@@ -277,7 +288,9 @@ def test_a_rank_that_hangs_is_caught_by_the_timeout(tmp_path):
     result = _run([*LAUNCH, "-n", "2", "--timeout", "5", script, str(tmp_path), "hang"],
                   tmp_path, timeout=200)
     assert result.returncode == 1
-    assert "rank 0 of 2 exited with status 1" in result.stderr
+    # rank 0 failed waiting for it, and was named: rank 1 still ran
+    assert ("rank 1 of 2 was still running when rank 0 failed waiting for it"
+            in result.stderr), result.stderr[-3000:]
     # rank 0 waits for it at the next step boundary's stop agreement, and names it
     assert ("Process 0 of 2 waited 5 s (KERAS_MULTIGPU_TIMEOUT) for process 1 at the step "
             "boundary where every process checks for Ctrl-C" in result.stderr), result.stderr

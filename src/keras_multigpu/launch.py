@@ -30,7 +30,6 @@ import collections
 import contextlib
 import ctypes
 import json
-import math
 import os
 import shlex
 import signal
@@ -40,6 +39,7 @@ import sys
 import threading
 import time
 
+from keras_multigpu._launch_report import report, root_cause
 from keras_multigpu._slurm import (  # noqa: F401 (the CLI's)
     LaunchError,
     first_host,
@@ -113,22 +113,22 @@ def check_port(address, port):
             ) from error
 
 
+def check_resolves(address):
+    try:
+        socket.getaddrinfo(address, None)
+    except socket.gaierror as error:
+        raise LaunchError(
+            f"--master-addr {address!r} does not resolve ({error.strerror}). Pass node 0's "
+            "address, or a host name every node resolves."
+        ) from error
+
+
 def _prepare_child():  # runs in the child, before the script
     # The launcher forwards Ctrl-C itself: a process must not inherit SIGINT ignored (as a
     # launcher started in the background, `cmd &`, has it).
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-def _signal_name(code):
-    with contextlib.suppress(ValueError):
-        return signal.Signals(-code).name
-    return f"signal {-code}"
-
-
-def _describe_exit(code):
-    return f"was killed by {_signal_name(code)}" if code < 0 else f"exited with status {code}"
 
 
 def child_env(rank, world, address, port, timeout=None, base=None, *, local_rank=None,
@@ -233,6 +233,8 @@ def launch(nproc, command, *, address="127.0.0.1", port=None, quiet_ranks=False,
     if nnodes > 1 and port is None:
         port = DEFAULT_PORT
     chosen = port
+    if address not in LOOPBACK:
+        check_resolves(address)
     if port is not None and node_rank == 0 and address in LOOPBACK + (socket.gethostname(),):
         check_port(address, port)
     workers = None
@@ -324,7 +326,7 @@ def _run_group(nproc, command, address, port, quiet_ranks, timeout, grace, base_
             time.sleep(0.05)
         first, stopped = failed, []
         if failed is not None:
-            failed = _root_cause(ranks, failed)
+            failed, how = root_cause(ranks, failed)
             stopped = [r.rank for r in ranks if r.process.poll() is None]
             _stop(ranks, send, grace)
     finally:
@@ -344,47 +346,11 @@ def _run_group(nproc, command, address, port, quiet_ranks, timeout, grace, base_
         return 128 + interrupted[0], True  # as a shell reports the signal: 130, 143
     if failed is None:
         return 0, False
-    code = failed.process.returncode
-    lines = "\n".join(f"    {line}" for line in failed.tail) or "    (it printed nothing)"
-    said = _describe_exit(code)
-    if code == 0:  # it left early, and the others failed waiting for it
-        said += (f" while the others still ran, and rank {first.rank} then failed waiting for "
-                 "it (every process must run the whole program)")
-        code = first.process.returncode
+    message, code = report(failed, how, first, world, stopped)
     with lock:
-        err.write(
-            f"keras-multigpu launch: rank {failed.rank} of {world} {said}. "
-            f"Its last lines:\n{lines}\n"
-            + (f"keras-multigpu launch: stopped the other rank(s) {stopped}.\n" if stopped
-               else "")
-        )
+        err.write(message)
         err.flush()
-    return (code if code > 0 else 128 - code), False
-
-
-# What a process prints when it fails because another one did.
-_SECONDARY = ("CollectiveError", "Connection closed by peer", "Connection reset by peer")
-
-
-def _root_cause(ranks, first):
-    """The failed process to blame: a process whose peer died fails too, moments later,
-    and may be seen first. Among those failed within a second, one that did not fail
-    for a peer is chosen."""
-    deadline = time.monotonic() + 1.0
-    while time.monotonic() < deadline and any(r.process.poll() is None for r in ranks):
-        time.sleep(0.05)
-    for reader in first.readers:
-        reader.join(timeout=1)
-    failed = [r for r in ranks if r.process.poll() not in (None, 0)]
-    for rank in failed:
-        for reader in rank.readers:
-            reader.join(timeout=1)
-        if not any(marker in line for line in rank.tail for marker in _SECONDARY):
-            return rank
-    # Every failure is for a peer: one that left with status 0 (a `sys.exit(0)` in the
-    # middle of the program), before them or while they failed, is the cause.
-    early = [r for r in ranks if r.process.poll() == 0]
-    return min(early, key=lambda r: r.ended_at or math.inf) if early else first
+    return code, False
 
 
 def _stop(ranks, send, grace):
