@@ -390,6 +390,28 @@ def test_save_weights_without_overwrite_onto_an_existing_file(parallel, tmp_path
     assert target.read_bytes() == b"keep me"
 
 
+@pytest.mark.skipif(keras.backend.backend() != "torch",
+                    reason="several processes: torch's (JAX and TensorFlow run one here)")
+def test_checkpoints_that_differ_between_processes_are_named_before_training(
+        parallel, tmp_path):
+    """A folder per process: the second fit, process 0 resumed and the others started
+    afresh, and waited for each other's collectives until the timeout. Saves at other steps
+    made gloo abort the processes."""
+    from keras_multigpu.callbacks import Checkpoint
+
+    x, y = _data(24)
+    own = Checkpoint(tmp_path / f"process-{processes.rank()}")
+    parallel.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[own])  # alike: afresh
+    with pytest.raises(ValueError, match=r"Checkpoints differ: process 1 has Checkpoint\(.*"
+                       r"process-1', save_freq='epoch'\) and starts afresh; process 0 has .*"
+                       r"and resumes after 3 step\(s\) of epoch 1\. Pass the same Checkpoint"):
+        parallel.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[own])
+    often = Checkpoint(tmp_path / "shared", save_freq=2 + processes.rank())
+    with pytest.raises(ValueError, match=r"save_freq=3\) and starts afresh; process 0 has "
+                       r"Checkpoint\(.*shared', save_freq=2\)"):
+        parallel.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[often])
+
+
 # -- compile ----------------------------------------------------------------------------------
 
 

@@ -9,7 +9,7 @@ import re
 import keras
 import numpy as np
 
-from keras_multigpu import backends, batching, inputs, interrupt
+from keras_multigpu import backends, batching, inputs, interrupt, processes
 from keras_multigpu._checks import (
     _check_fit_arguments,
     _check_names,
@@ -222,9 +222,10 @@ def _resumed_calls(callbacks, dataset, initial_epoch, epochs, steps_per_epoch):
     listed = callbacks.callbacks if isinstance(callbacks, keras.callbacks.CallbackList) else (
         callbacks or [])
     checkpoint = next((c for c in listed if isinstance(c, Checkpoint)), None)
-    if checkpoint is None or steps_per_epoch is not None or dataset is None:
-        return whole
-    point = checkpoint.resume_point(_stacklevel=5)  # shown at the user's `fit`
+    point = None
+    if checkpoint is not None and steps_per_epoch is None and dataset is not None:
+        point = checkpoint.resume_point(_stacklevel=5)  # shown at the user's `fit`
+    _check_same_checkpoint(checkpoint, point)
     if point is None:
         return whole
     epoch, step = point
@@ -232,6 +233,39 @@ def _resumed_calls(callbacks, dataset, initial_epoch, epochs, steps_per_epoch):
         return whole  # an epoch's end: the next starts afresh
     dataset.skip = step  # Keras reads the epoch's length as the call starts
     return [(epoch, epoch + 1)] + ([(epoch + 1, epochs)] if epoch + 1 < epochs else [])
+
+
+def _check_same_checkpoint(checkpoint, point):
+    """Every process has a `Checkpoint` saving as often, and resumes where process 0 does,
+    or every process raises: a folder per process (where only process 0's holds
+    checkpoints) had them run other epochs and wait for each other's collectives, until
+    the timeout; saves at other steps made gloo abort the processes."""
+    if processes.count() == 1:
+        return
+    mine = None if checkpoint is None else [
+        checkpoint.directory, checkpoint.every_steps or "epoch",
+        None if point is None else [int(point[0]), int(point[1])]]
+    everyone = processes.all_gather_object(
+        mine, "the start of fit, where every process checks that it resumes alike")
+    other = next((r for r, theirs in enumerate(everyone)
+                  if (theirs is None) != (everyone[0] is None)
+                  or theirs is not None and theirs[1:] != everyone[0][1:]), None)
+    if other is None:
+        return
+
+    def shown(rank):
+        if everyone[rank] is None:
+            return f"process {rank} has no Checkpoint"
+        directory, save_freq, at = everyone[rank]
+        where = ("starts afresh" if at is None else
+                 f"resumes after {at[1]} step(s) of epoch {at[0] + 1}")
+        return f"process {rank} has Checkpoint({directory!r}, save_freq={save_freq!r}) and {where}"
+
+    raise ValueError(
+        f"The {len(everyone)} processes' Checkpoints differ: {shown(other)}; {shown(0)}. "
+        "Pass the same Checkpoint on every process: one directory that every process reads "
+        "(process 0 writes it; a folder shared between machines), and the same save_freq."
+    )
 
 
 def _ends(calls):
