@@ -100,9 +100,10 @@ def test_more_than_available_on_this_process():
     assert "gpus=None" in str(info.value)
 
 
-def test_more_cpu_devices_than_there_are_says_how_to_have_them():
+def test_more_cpu_devices_than_there_are_says_how_to_have_them(monkeypatch):
     """A count over the CPU's devices names the variable and the launcher that give more;
     a count over a machine's GPUs does not (no CPU split makes GPUs)."""
+    monkeypatch.delenv(CPU_DEVICES_ENV, raising=False)
     with pytest.raises(ValueError, match=r"gpus=3") as info:
         select(3, [Device(0, "cpu", "host")])
     assert "KERAS_MULTIGPU_CPU_DEVICES=3" in str(info.value)
@@ -110,6 +111,29 @@ def test_more_cpu_devices_than_there_are_says_how_to_have_them():
     with pytest.raises(ValueError, match=r"gpus=5") as info:
         select(5, FOUR)
     assert "KERAS_MULTIGPU_CPU_DEVICES" not in str(info.value)
+
+
+def test_more_cpu_devices_than_the_variable_asks_for_name_its_value(monkeypatch):
+    """`KERAS_MULTIGPU_CPU_DEVICES=2 keras-multigpu train --gpus 5` was told to start with
+    KERAS_MULTIGPU_CPU_DEVICES=5, not that the variable, set to 2, sets the count."""
+    monkeypatch.setenv(CPU_DEVICES_ENV, "2")
+    with pytest.raises(ValueError, match=r"KERAS_MULTIGPU_CPU_DEVICES=2 is set in the "
+                       r"environment, and sets the count: set it to 5"):
+        select(5, [Device(0, "cpu", "host"), Device(1, "cpu", "host")])
+
+
+def test_a_framework_started_before_the_import_is_named_and_listed(monkeypatch,
+                                                                   fresh_list_devices):
+    """A model run before `import keras_multigpu`: JAX kept its 1 device, list_devices
+    listed the variable's 3, and the error said to set the variable, which was set."""
+    monkeypatch.setenv(CPU_DEVICES_ENV, "3")
+    monkeypatch.setattr(devices, "_started_with", None)
+    devices.framework_started_with(1)
+    assert [str(d) for d in list_devices()] == ["cpu:0"]
+    with pytest.raises(ValueError, match=r"KERAS_MULTIGPU_CPU_DEVICES=3 is set, but the "
+                       r"framework had started before keras_multigpu was imported, and keeps "
+                       r"1: import keras_multigpu before"):
+        select(3, list_devices())
 
 
 def test_duplicated_ids_are_refused():
@@ -190,6 +214,15 @@ def test_cpu_device_count_refuses_non_positive_integers(monkeypatch, raw):
     with pytest.raises(ValueError, match=re.escape(f"{CPU_DEVICES_ENV}={raw!r}")) as info:
         cpu_device_count()
     assert "positive integer" in str(info.value)
+
+
+def test_cpu_device_count_refuses_more_than_the_frameworks_start(monkeypatch):
+    """100,000 hung: XLA had not started them after 5 minutes."""
+    monkeypatch.setenv(CPU_DEVICES_ENV, "100000")
+    with pytest.raises(ValueError, match=r"must be at most 1024.*'100000'"):
+        cpu_device_count()
+    monkeypatch.setenv(CPU_DEVICES_ENV, "1024")
+    assert cpu_device_count() == 1024
 
 
 # -- list_devices and Device -------------------------------------------------

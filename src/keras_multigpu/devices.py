@@ -20,6 +20,7 @@ import os
 logger = logging.getLogger(__name__)
 
 CPU_DEVICES_ENV = "KERAS_MULTIGPU_CPU_DEVICES"
+MAX_CPU_DEVICES = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +63,13 @@ def cpu_device_count():
             f"{CPU_DEVICES_ENV}={raw!r}. Set it to the number of virtual CPU "
             "devices you want, e.g. 4, or unset it."
         )
+    if count > MAX_CPU_DEVICES:  # XLA took over 5 minutes to start 100,000 (512: 5 s)
+        raise ValueError(
+            f"{CPU_DEVICES_ENV} must be at most {MAX_CPU_DEVICES}: the virtual devices (or "
+            f"torch's processes) share this machine's {os.cpu_count()} cores, and the "
+            f"frameworks take minutes to start many thousands. Received: "
+            f"{CPU_DEVICES_ENV}={raw!r}."
+        )
     return count
 
 
@@ -85,6 +93,19 @@ def _nvml_gpus():
         return gpus
     finally:
         pynvml.nvmlShutdown()
+
+
+# The CPU devices the engine's framework has, where it had started before it could be
+# given `KERAS_MULTIGPU_CPU_DEVICES`'s count (the engine's `configure_cpu_devices` says so).
+_started_with = None
+
+
+def framework_started_with(count):
+    """The framework had already started with `count` CPU devices: `list_devices` lists
+    those, not the count asked for, which it can no longer have."""
+    global _started_with
+    _started_with = count
+    list_devices.cache_clear()
 
 
 def _xla_cpu_device_count():
@@ -117,7 +138,7 @@ def list_devices():
     gpus = _nvml_gpus()
     if gpus:
         return gpus
-    count = cpu_device_count() or _xla_cpu_device_count() or 1
+    count = _started_with or cpu_device_count() or _xla_cpu_device_count() or 1
     return [Device(i, "cpu", "CPU" if count == 1 else "virtual CPU") for i in range(count)]
 
 
@@ -154,11 +175,20 @@ def refuse_several_processes(engine):
         )
 
 
-# How to have more CPU devices, for a count that asks for more than the CPU offers.
-_CPU_HINT = (" To try {n} devices without a GPU, start the script with "
-             f"{CPU_DEVICES_ENV}={{n}} in its environment: {{n}} virtual CPU devices on JAX "
-             "and TensorFlow, {n} processes on torch (or run it under keras-multigpu launch "
-             "-n {n}).")
+def _cpu_hint(n):
+    """How to have `n` CPU devices, for a count that asks for more than the CPU offers."""
+    asked = os.environ.get(CPU_DEVICES_ENV, "").strip()
+    if _started_with is not None:
+        return (f" {CPU_DEVICES_ENV}={asked} is set, but the framework had started before "
+                f"keras_multigpu was imported, and keeps {_started_with}: import "
+                "keras_multigpu before anything runs a JAX or TensorFlow operation (building "
+                "or calling a model).")
+    if asked:
+        return (f" {CPU_DEVICES_ENV}={asked} is set in the environment, and sets the count: "
+                f"set it to {n} (or unset it, where `keras-multigpu train --gpus {n}` sets it).")
+    return (f" To try {n} devices without a GPU, start the script with {CPU_DEVICES_ENV}={n} "
+            f"in its environment: {n} virtual CPU devices on JAX and TensorFlow, {n} "
+            f"processes on torch (or run it under keras-multigpu launch -n {n}).")
 
 
 def _as_int(value):
@@ -203,7 +233,7 @@ def select(gpus, available):
         if gpus > len(available):
             raise ValueError(
                 f"gpus={gpus} but {what}. Pass gpus=None for all of them, "
-                "or a list of ids." + (_CPU_HINT.format(n=gpus) if kind == "cpu" else "")
+                "or a list of ids." + (_cpu_hint(gpus) if kind == "cpu" else "")
             )
         return list(available[: max(gpus, 1)])
     ids = [d.id if isinstance(d, Device) else _as_int(d) for d in gpus]

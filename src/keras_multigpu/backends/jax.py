@@ -46,7 +46,7 @@ from keras_multigpu._keras.jax import distribution_lib as keras_jax_distribution
 from keras_multigpu.backends._jax_hosts import _join, _world
 from keras_multigpu.backends._jax_watchdog import kept, put_back, watch  # noqa: F401 (seam)
 from keras_multigpu.backends._marker import tag, untag  # noqa: F401 (the seam's names)
-from keras_multigpu.devices import Device
+from keras_multigpu.devices import Device, framework_started_with
 
 # What this engine does beyond the seam's common names (see `keras_multigpu.backends`).
 CAPABILITIES = frozenset({"cpu_devices", "jit", "resident", "shard", "free_memory", "watch",
@@ -68,6 +68,7 @@ def configure_cpu_devices(count):
     if xla_bridge.backends_are_initialized():
         have = len(jax.local_devices(backend="cpu"))
         if have != count:
+            framework_started_with(have)
             warnings.warn(
                 f"JAX had already started with {have} CPU device(s), so "
                 f"{count} could not be configured. Set "

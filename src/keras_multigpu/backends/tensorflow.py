@@ -63,6 +63,7 @@ from keras_multigpu.devices import (
     CPU_DEVICES_ENV,
     Device,
     cpu_device_count,
+    framework_started_with,
     refuse_several_processes,
 )
 
@@ -81,6 +82,7 @@ def configure_cpu_devices(count):
     except RuntimeError:  # the runtime is initialised: the count is fixed
         have = len(_local(tf.config.list_logical_devices("CPU")))
         if have != count:
+            framework_started_with(have)
             warnings.warn(
                 f"TensorFlow had already started with {have} CPU device(s), so {count} could "
                 f"not be configured. Set {CPU_DEVICES_ENV} (or import keras_multigpu) before "
