@@ -315,6 +315,19 @@ def test_a_file_in_a_checkpoints_place_is_removed_when_retired(tmp_path):
     assert os.listdir(tmp_path) == ["ckpt-000000005"]
 
 
+def test_a_checkpoint_that_cannot_be_deleted_is_named(tmp_path, monkeypatch):
+    """A folder without write permission (run as another user) was left hidden, with no
+    word, each retired checkpoint adding its space. (As root, permissions remove nothing:
+    the removal itself fails here.)"""
+    _, parallel = _model()
+    monkeypatch.setattr(shutil, "rmtree", lambda path, ignore_errors=False: None)
+    with pytest.warns(UserWarning, match=r"could not delete .*\.ckpt-000000005\.old-\d+ "
+                      r"\(no permission\?\): its space stays taken"):
+        parallel.fit(*DATA, batch_size=8, epochs=2, verbose=0,
+                     callbacks=[Checkpoint(tmp_path, keep=1)])
+    assert "ckpt-000000010" in os.listdir(tmp_path)
+
+
 def test_only_damaged_checkpoints_stop_fit_with_their_names(tmp_path):
     _, parallel = _model()
     parallel.fit(*DATA, batch_size=8, epochs=1, verbose=0, callbacks=[Checkpoint(tmp_path)])

@@ -45,12 +45,17 @@ def _retire(path):
 
 
 def _remove(path):
-    """Removes a folder, or a file in a checkpoint's place, as far as it can."""
+    """Removes a folder, or a file in a checkpoint's place, as far as it can; what is left
+    (a folder without write permission) is named in a warning, as it holds a checkpoint's
+    space that each failed removal adds to."""
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path, ignore_errors=True)
     else:
         with contextlib.suppress(OSError):
             os.remove(path)
+    if os.path.lexists(path):
+        warnings.warn(f"Checkpoint could not delete {path} (no permission?): its space stays "
+                      "taken. Delete it by hand.", stacklevel=2)
 
 
 def _dead_leftover(name):
