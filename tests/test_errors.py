@@ -406,10 +406,17 @@ def test_checkpoints_that_differ_between_processes_are_named_before_training(
                        r"process-1', save_freq='epoch'\) and starts afresh; process 0 has .*"
                        r"and resumes after 3 step\(s\) of epoch 1\. Pass the same Checkpoint"):
         parallel.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[own])
+    with pytest.raises(ValueError, match=r"process 1 has Checkpoint\(.*process-1'.*starts "
+                       r"afresh; process 0 has .*resumes after 3 step\(s\) of epoch 1"):
+        parallel.fit(x, y, batch_size=8, epochs=3, steps_per_epoch=3, verbose=0,
+                     callbacks=[own])  # as a generator's fit asks
     often = Checkpoint(tmp_path / "shared", save_freq=2 + processes.rank())
     with pytest.raises(ValueError, match=r"save_freq=3\) and starts afresh; process 0 has "
                        r"Checkpoint\(.*shared', save_freq=2\)"):
         parallel.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[often])
+    alone = [Checkpoint(tmp_path / "alone")] if processes.rank() == 0 else []
+    with pytest.raises(ValueError, match=r"process 1 has no Checkpoint; process 0 has "):
+        parallel.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=alone)
 
 
 # -- compile ----------------------------------------------------------------------------------

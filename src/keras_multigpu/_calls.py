@@ -111,8 +111,8 @@ class Calls:
                 model=self,
             )
         self._fit_dataset = dataset
-        calls = _resumed_calls(callbacks, dataset, initial_epoch, epochs, steps_per_epoch)
         try:
+            calls = _resumed_calls(callbacks, dataset, initial_epoch, epochs, steps_per_epoch)
             with interrupt.deferred(), self._placed():
                 for first, last, (start, stop) in _ends(calls):
                     with _only_ends(callbacks, first, last):
@@ -216,17 +216,20 @@ def _resumed_calls(callbacks, dataset, initial_epoch, epochs, steps_per_epoch):
     many batches, so that Keras ends it as it ends any epoch (a trainer draws
     from its generators at epoch ends), and the epochs after it are another.
     """
-    from keras_multigpu.callbacks import Checkpoint
+    from keras_multigpu.callbacks import Checkpoint, CheckpointError
 
     whole = [(initial_epoch, epochs)]
     listed = callbacks.callbacks if isinstance(callbacks, keras.callbacks.CallbackList) else (
         callbacks or [])
     checkpoint = next((c for c in listed if isinstance(c, Checkpoint)), None)
-    point = None
-    if checkpoint is not None and steps_per_epoch is None and dataset is not None:
-        point = checkpoint.resume_point(_stacklevel=5)  # shown at the user's `fit`
-    _check_same_checkpoint(checkpoint, point)
-    if point is None:
+    point = problem = None
+    if checkpoint is not None:
+        try:
+            point = checkpoint.resume_point(_stacklevel=5)  # shown at the user's `fit`
+        except (CheckpointError, OSError) as error:  # raised below, once all have looked
+            problem = error
+    _check_same_checkpoint(checkpoint, point, problem)
+    if point is None or steps_per_epoch is not None or dataset is None:
         return whole
     epoch, step = point
     if not 0 < step < dataset.num_batches or epoch >= epochs or not dataset.resumable:
@@ -235,28 +238,38 @@ def _resumed_calls(callbacks, dataset, initial_epoch, epochs, steps_per_epoch):
     return [(epoch, epoch + 1)] + ([(epoch + 1, epochs)] if epoch + 1 < epochs else [])
 
 
-def _check_same_checkpoint(checkpoint, point):
+def _check_same_checkpoint(checkpoint, point, problem=None):
     """Every process has a `Checkpoint` saving as often, and resumes where process 0 does,
     or every process raises: a folder per process (where only process 0's holds
     checkpoints) had them run other epochs and wait for each other's collectives, until
-    the timeout; saves at other steps made gloo abort the processes."""
+    the timeout; saves at other steps made gloo abort the processes. `problem`, a process's
+    failure to read its checkpoints, is raised on every process, once all have looked."""
     if processes.count() == 1:
+        if problem is not None:
+            raise problem
         return
     mine = None if checkpoint is None else [
         checkpoint.directory, checkpoint.every_steps or "epoch",
-        None if point is None else [int(point[0]), int(point[1])]]
+        None if point is None else [int(point[0]), int(point[1])],
+        None if problem is None else f"{type(problem).__name__}: {problem}"]
     everyone = processes.all_gather_object(
         mine, "the start of fit, where every process checks that it resumes alike")
+    if problem is not None:
+        raise problem
+    failed = next((r for r, theirs in enumerate(everyone) if theirs and theirs[3]), None)
+    if failed is not None:
+        raise RuntimeError(f"Process {failed} could not read its Checkpoint: "
+                           f"{everyone[failed][3]}")
     other = next((r for r, theirs in enumerate(everyone)
                   if (theirs is None) != (everyone[0] is None)
-                  or theirs is not None and theirs[1:] != everyone[0][1:]), None)
+                  or theirs is not None and theirs[1:3] != everyone[0][1:3]), None)
     if other is None:
         return
 
     def shown(rank):
         if everyone[rank] is None:
             return f"process {rank} has no Checkpoint"
-        directory, save_freq, at = everyone[rank]
+        directory, save_freq, at, _ = everyone[rank]
         where = ("starts afresh" if at is None else
                  f"resumes after {at[1]} step(s) of epoch {at[0] + 1}")
         return f"process {rank} has Checkpoint({directory!r}, save_freq={save_freq!r}) and {where}"

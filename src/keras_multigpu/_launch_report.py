@@ -31,7 +31,7 @@ def root_cause(ranks, first):
     Among the processes failed within a second of `first`, one that did not fail for a peer
     is chosen. When every failure is for a peer, one that left with status 0 (a
     `sys.exit(0)` in the middle of the program) is the cause, or else the one process
-    still running.
+    still running (of this machine's: a peer on another machine is not seen here).
     """
     deadline = time.monotonic() + 1.0
     while time.monotonic() < deadline and any(r.process.poll() is None for r in ranks):
@@ -50,7 +50,7 @@ def root_cause(ranks, first):
     running = [r for r in ranks if r.process.poll() is None]
     if len(running) == 1 and _for_a_peer(first):
         return running[0], "running"
-    return first, "failed"
+    return first, "failed"  # (several still running: any of them may be the one)
 
 
 def _for_a_peer(rank):
@@ -74,7 +74,7 @@ def report(blamed, how, first, world, stopped):
     message = (f"keras-multigpu launch: rank {blamed.rank} of {world} {said}. "
                f"Its last lines:\n{lines}\n")
     if stopped:
-        message += f"keras-multigpu launch: stopped the other rank(s) {stopped}.\n"
+        message += f"keras-multigpu launch: stopped rank(s) {stopped}.\n"
     return message, (code if code > 0 else 128 - code)
 
 

@@ -60,6 +60,11 @@ def _prepare_devices(gpus, processes=False):
         virtual = backends.has(backend, "cpu_devices")
         if devices_lib.cpu_device_count() is None and (virtual or processes):
             needed = max(gpus) + 1 if isinstance(gpus, list) else max(gpus, 1)
+            if needed > devices_lib.MAX_CPU_DEVICES:
+                given = ",".join(map(str, gpus)) if isinstance(gpus, list) else gpus
+                raise UsageError(f"--gpus: this machine has no GPU, and at most "
+                                 f"{devices_lib.MAX_CPU_DEVICES} virtual CPU devices can stand "
+                                 f"in for them. Received: --gpus {given}.")
             # As if given: the device list reads it, and torch starts that many processes.
             os.environ[devices_lib.CPU_DEVICES_ENV] = str(needed)
             if virtual:

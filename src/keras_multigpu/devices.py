@@ -48,7 +48,7 @@ def cpu_device_count():
 
     Raises:
         ValueError: if the variable is set to something that is not a
-            positive integer.
+            positive integer, or to more than `MAX_CPU_DEVICES`.
     """
     raw = os.environ.get(CPU_DEVICES_ENV)
     if raw is None or raw.strip() == "":
@@ -66,7 +66,7 @@ def cpu_device_count():
     if count > MAX_CPU_DEVICES:  # XLA took over 5 minutes to start 100,000 (512: 5 s)
         raise ValueError(
             f"{CPU_DEVICES_ENV} must be at most {MAX_CPU_DEVICES}: the virtual devices (or "
-            f"torch's processes) share this machine's {os.cpu_count()} cores, and the "
+            f"torch's processes) share this machine's {os.cpu_count() or 'few'} cores, and the "
             f"frameworks take minutes to start many thousands. Received: "
             f"{CPU_DEVICES_ENV}={raw!r}."
         )

@@ -114,13 +114,19 @@ def check_port(address, port):
 
 
 def check_resolves(address):
+    """A master address that no name server knows is refused at once: the processes waited
+    three times `--timeout` to join it, and said the socket timed out. A failure that may
+    pass (a busy name server) is left to the processes, which retry."""
     try:
         socket.getaddrinfo(address, None)
+    except UnicodeError as error:  # not a host name at all (a label over 63 characters)
+        raise LaunchError(f"--master-addr {address!r} is no host name ({error}).") from error
     except socket.gaierror as error:
-        raise LaunchError(
-            f"--master-addr {address!r} does not resolve ({error.strerror}). Pass node 0's "
-            "address, or a host name every node resolves."
-        ) from error
+        if error.errno in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", None)):
+            raise LaunchError(
+                f"--master-addr {address!r} does not resolve ({error.strerror}). Pass node "
+                "0's address, or a host name every node resolves."
+            ) from error
 
 
 def _prepare_child():  # runs in the child, before the script
@@ -324,7 +330,7 @@ def _run_group(nproc, command, address, port, quiet_ranks, timeout, grace, base_
             if failed is not None or not running:
                 break
             time.sleep(0.05)
-        first, stopped = failed, []
+        first, stopped, how = failed, [], None
         if failed is not None:
             failed, how = root_cause(ranks, failed)
             stopped = [r.rank for r in ranks if r.process.poll() is None]

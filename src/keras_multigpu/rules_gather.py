@@ -11,6 +11,10 @@ import keras
 from keras_multigpu._keras import backend, base_trainer
 from keras_multigpu.rules_weights import weighted_sum
 
+# `on` while a layer or function runs on the gathered batch (`rules_mixing`): every replica
+# then holds the whole batch, one device's.
+GATHERED = threading.local()
+
 # Set while the loss a model compiles runs: its Losses see the batch's rows.
 _compiled = threading.local()
 

@@ -6,7 +6,6 @@ in `keras.ops` (see `rules`): each replica runs it on the batch gathered from ev
 import contextlib
 import functools
 import random
-import threading
 import types
 import warnings
 import weakref
@@ -14,6 +13,7 @@ import weakref
 import keras
 
 from keras_multigpu.rules_gather import (
+    GATHERED,
     gather,
     gather_all,
     own_rows,
@@ -24,7 +24,7 @@ from keras_multigpu.rules_gather import (
 
 _MARKED = []  # the user's Layer classes marked with `mixes_rows`, in order
 _MARKED_LAYERS = weakref.WeakSet()  # the user's layers marked one by one (a Lambda)
-_GATHERED = threading.local()  # `on` while a layer or function runs on the gathered batch
+_GATHERED = GATHERED
 
 
 def mixes_rows(cls):

@@ -8,7 +8,14 @@ import inspect
 import keras
 
 from keras_multigpu._keras import seed_generator
-from keras_multigpu.rules_gather import every_replicas, gather, own_rows, rows_of, voted
+from keras_multigpu.rules_gather import (
+    GATHERED,
+    every_replicas,
+    gather,
+    own_rows,
+    rows_of,
+    voted,
+)
 
 
 class Drawn(seed_generator.SeedGenerator):
@@ -93,6 +100,8 @@ def _eager_blocks(replica, rows):
     by what the replica draws, so there a replica deciding alone would part the generators
     for the rest of the run."""
     k, n = replica.k, replica.n
+    if getattr(GATHERED, "on", False):  # every replica runs the whole batch
+        return 0
     if n % replica.replicas == 0:
         if k == n or (k and rows % k) or bool(k) != bool(rows):
             return 0
