@@ -1181,3 +1181,20 @@ def test_a_torch_error_on_a_process_of_one_row_says_why_one_device_has_none():
         if noted:
             assert notes[0].startswith(f"keras_multigpu: this process trains on {k} row(s) of "
                                        f"this batch of {n}")
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="Keras's torch segment_sum, in the torch "
+                    "engine's step")
+def test_an_error_in_a_step_on_a_process_of_no_rows_is_noted_once():
+    """Keras's torch `segment_sum` fails on a batch of no rows (`num_segments=0` taken for
+    one not given: `torch.max` of no ids), which one device never sees: the whole step is
+    watched, not only its backward passes, and an error through both is noted once."""
+    from keras_multigpu.backends import _torch_grads
+
+    replica = rules.Replica(0, 2, 2, 3, all_reduce=None)
+    with pytest.raises(RuntimeError, match="reduction dim") as info:
+        with _torch_grads._few_rows(replica), _torch_grads._few_rows(replica):
+            keras.ops.segment_sum(keras.ops.zeros((0, 4)), keras.ops.zeros((0,), "int32"),
+                                  num_segments=0)
+    notes = getattr(info.value, "__notes__", [])
+    assert len(notes) == 1 and "Keras's segment_sum on none" in notes[0], notes

@@ -91,26 +91,31 @@ def grad(replica, original, outputs, inputs, *args, **kwargs):
 
 @contextlib.contextmanager
 def _few_rows(replica):
-    """torch's own error in a step's backward pass on a process dealt one row (or none) of
-    a batch of several, with a note that says why one device, with all of them, has none:
-    torch's Conv2D differentiated twice (a gradient penalty) fails on a batch of one row,
-    in plain torch too."""
+    """torch's own error in a step on a process dealt one row (or none) of a batch of
+    several, with a note that says why one device, with all of them, has none: torch's
+    Conv2D differentiated twice (a gradient penalty) fails on a batch of one row, in plain
+    torch too, and Keras's torch `segment_sum` on none (its `num_segments=0` is taken for
+    one not given). Around the whole step (`run_step`), and each backward pass in it."""
     try:
         yield
-    except RuntimeError as error:
+    except (RuntimeError, ValueError, IndexError) as error:
         from keras_multigpu.processes import CollectiveError  # (not on each pass's way)
 
         if isinstance(replica.k, int) and replica.k < 2 <= replica.n and hasattr(
                 error, "add_note") and not isinstance(
-                    error, (CollectiveError, torch.cuda.OutOfMemoryError)):
+                    error, (CollectiveError, torch.cuda.OutOfMemoryError)) and not any(
+                        _FEW_ROWS in note for note in getattr(error, "__notes__", ())):
             error.add_note(
-                f"keras_multigpu: this process trains on {replica.k} row(s) of this batch of "
-                f"{replica.n}. Where this is torch failing on so few rows (its Conv2D "
-                "differentiated twice fails on one row), one device, with all of them, does "
-                "not: give every process at least 2 rows of each batch, the last included "
-                "(a batch_size of 2 rows per process or more, and drop_remainder=True to fit "
-                "where only the last batch is short).")
+                f"{_FEW_ROWS} {replica.k} row(s) of this batch of "
+                f"{replica.n}. Where this is torch or Keras failing on so few rows (torch's "
+                "Conv2D differentiated twice fails on one row, Keras's segment_sum on none), "
+                "one device, with all of them, does not: give every process at least 2 rows "
+                "of each batch, the last included (a batch_size of 2 rows per process or "
+                "more, and drop_remainder=True to fit where only the last batch is short).")
         raise
+
+
+_FEW_ROWS = "keras_multigpu: this process trains on"
 
 
 def weighed_sums(replica, grads, variables=None):

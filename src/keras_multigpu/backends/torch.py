@@ -235,7 +235,8 @@ def run_step(step, data, rows_out=False):
     for reducer in reducers:
         reducer.begin(replica)
     try:
-        result = step(mine)
+        with _torch_grads._few_rows(replica):
+            result = step(mine)
     except BaseException:
         for reducer in reducers:
             reducer.finish(failed=True)
