@@ -8,7 +8,7 @@ import jax
 import keras
 import pytest
 
-from keras_multigpu import backends
+from keras_multigpu import backends, devices
 from keras_multigpu.devices import Device
 
 
@@ -81,9 +81,12 @@ def test_jax_configure_after_start(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert jax_backend.configure_cpu_devices(8) is True
+    monkeypatch.setattr(devices, "_started_with", None)
     with pytest.warns(UserWarning, match=r"already started with 8 CPU device\(s\), so 3"):
         assert jax_backend.configure_cpu_devices(3) is False
     assert os.environ["XLA_FLAGS"] == "--marker"  # too late: nothing rewritten
+    assert devices._started_with == 8  # and list_devices lists the 8 it kept
+    devices.list_devices.cache_clear()
 
 
 def test_jax_make_distribution_uses_the_devices_given():

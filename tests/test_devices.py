@@ -17,6 +17,13 @@ from keras_multigpu.devices import CPU_DEVICES_ENV, Device, cpu_device_count, li
 FOUR = [Device(i, "gpu", "Test GPU", 16 * 2**30) for i in range(4)]
 
 
+@pytest.fixture(autouse=True)
+def _framework_not_started_before(monkeypatch):
+    """As if no test before had asked the started framework for another device count (the
+    suite's own tests do: then `list_devices` lists the devices it kept)."""
+    monkeypatch.setattr(devices, "_started_with", None)
+
+
 def ids(chosen):
     return [d.id for d in chosen]
 
@@ -127,7 +134,6 @@ def test_a_framework_started_before_the_import_is_named_and_listed(monkeypatch,
     """A model run before `import keras_multigpu`: JAX kept its 1 device, list_devices
     listed the variable's 3, and the error said to set the variable, which was set."""
     monkeypatch.setenv(CPU_DEVICES_ENV, "3")
-    monkeypatch.setattr(devices, "_started_with", None)
     devices.framework_started_with(1)
     assert [str(d) for d in list_devices()] == ["cpu:0"]
     with pytest.raises(ValueError, match=r"KERAS_MULTIGPU_CPU_DEVICES=3 is set, but the "

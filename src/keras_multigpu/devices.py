@@ -178,7 +178,7 @@ def refuse_several_processes(engine):
 def _cpu_hint(n):
     """How to have `n` CPU devices, for a count that asks for more than the CPU offers."""
     asked = os.environ.get(CPU_DEVICES_ENV, "").strip()
-    if _started_with is not None:
+    if _started_with is not None and asked:
         return (f" {CPU_DEVICES_ENV}={asked} is set, but the framework had started before "
                 f"keras_multigpu was imported, and keeps {_started_with}: import "
                 "keras_multigpu before anything runs a JAX or TensorFlow operation (building "
