@@ -228,7 +228,10 @@ def _resumed_calls(callbacks, dataset, initial_epoch, epochs, steps_per_epoch):
             point = checkpoint.resume_point(_stacklevel=5)  # shown at the user's `fit`
         except (CheckpointError, OSError) as error:  # raised below, once all have looked
             problem = error
-    _check_same_checkpoint(checkpoint, point, problem)
+    if processes.count() > 1:
+        _check_same_checkpoint(checkpoint, point, problem)
+    elif problem is not None:
+        raise problem
     if point is None or steps_per_epoch is not None or dataset is None:
         return whole
     epoch, step = point
@@ -238,16 +241,12 @@ def _resumed_calls(callbacks, dataset, initial_epoch, epochs, steps_per_epoch):
     return [(epoch, epoch + 1)] + ([(epoch + 1, epochs)] if epoch + 1 < epochs else [])
 
 
-def _check_same_checkpoint(checkpoint, point, problem=None):
+def _check_same_checkpoint(checkpoint, point, problem):
     """Every process has a `Checkpoint` saving as often, and resumes where process 0 does,
     or every process raises: a folder per process (where only process 0's holds
     checkpoints) had them run other epochs and wait for each other's collectives, until
     the timeout; saves at other steps made gloo abort the processes. `problem`, a process's
     failure to read its checkpoints, is raised on every process, once all have looked."""
-    if processes.count() == 1:
-        if problem is not None:
-            raise problem
-        return
     mine = None if checkpoint is None else [
         checkpoint.directory, checkpoint.every_steps or "epoch",
         None if point is None else [int(point[0]), int(point[1])],
