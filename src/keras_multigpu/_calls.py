@@ -247,31 +247,37 @@ def _check_same_checkpoint(checkpoint, point, problem):
     checkpoints) had them run other epochs and wait for each other's collectives, until
     the timeout; saves at other steps made gloo abort the processes. `problem`, a process's
     failure to read its checkpoints, is raised on every process, once all have looked."""
-    mine = None if checkpoint is None else [
-        checkpoint.directory, checkpoint.every_steps or "epoch",
-        None if point is None else [int(point[0]), int(point[1])],
-        None if problem is None else f"{type(problem).__name__}: {problem}"]
+    mine = None if checkpoint is None else {
+        "directory": checkpoint.directory, "save_freq": checkpoint.every_steps or "epoch",
+        "at": None if point is None else [int(point[0]), int(point[1])],
+        "problem": None if problem is None else f"{type(problem).__name__}: {problem}"}
     everyone = processes.all_gather_object(
         mine, "the start of fit, where every process checks that it resumes alike")
     if problem is not None:
         raise problem
-    failed = next((r for r, theirs in enumerate(everyone) if theirs and theirs[3]), None)
+    failed = next((r for r, theirs in enumerate(everyone) if theirs and theirs["problem"]),
+                  None)
     if failed is not None:
         raise RuntimeError(f"Process {failed} could not read its Checkpoint: "
-                           f"{everyone[failed][3]}")
+                           f"{everyone[failed]['problem']}")
+
+    def compared(theirs):
+        return theirs and (theirs["save_freq"], theirs["at"])
+
     other = next((r for r, theirs in enumerate(everyone)
-                  if (theirs is None) != (everyone[0] is None)
-                  or theirs is not None and theirs[1:3] != everyone[0][1:3]), None)
+                  if compared(theirs) != compared(everyone[0])), None)
     if other is None:
         return
 
     def shown(rank):
         if everyone[rank] is None:
             return f"process {rank} has no Checkpoint"
-        directory, save_freq, at, _ = everyone[rank]
+        theirs = everyone[rank]
+        at = theirs["at"]
         where = ("starts afresh" if at is None else
                  f"resumes after {at[1]} step(s) of epoch {at[0] + 1}")
-        return f"process {rank} has Checkpoint({directory!r}, save_freq={save_freq!r}) and {where}"
+        return (f"process {rank} has Checkpoint({theirs['directory']!r}, "
+                f"save_freq={theirs['save_freq']!r}) and {where}")
 
     raise ValueError(
         f"The {len(everyone)} processes' Checkpoints differ: {shown(other)}; {shown(0)}. "

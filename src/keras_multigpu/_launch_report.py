@@ -42,19 +42,15 @@ def root_cause(ranks, first):
     for rank in failed:
         for reader in rank.readers:
             reader.join(timeout=1)
-        if not _for_a_peer(rank):
+        if _peer_error(rank) is None:
             return rank, "failed"
     early = [r for r in ranks if r.process.poll() == 0]
     if early:
         return min(early, key=lambda r: r.ended_at or math.inf), "left"
     running = [r for r in ranks if r.process.poll() is None]
-    if len(running) == 1 and _for_a_peer(first):
+    if len(running) == 1 and _peer_error(first) is not None:
         return running[0], "running"
     return first, "failed"  # (several still running: any of them may be the one)
-
-
-def _for_a_peer(rank):
-    return any(marker in line for line in rank.tail for marker in SECONDARY)
 
 
 def report(blamed, how, first, world, stopped):
@@ -69,7 +65,7 @@ def report(blamed, how, first, world, stopped):
                 if how == "left" else
                 f"was still running when rank {first.rank} failed waiting for it (stuck, in a "
                 "hang or a deadlock, or far behind the others); rank "
-                f"{first.rank}'s error: {_last_error(first)}")
+                f"{first.rank}'s error: {_peer_error(first)}")
         code = first.process.returncode
     message = (f"keras-multigpu launch: rank {blamed.rank} of {world} {said}. "
                f"Its last lines:\n{lines}\n")
@@ -78,9 +74,9 @@ def report(blamed, how, first, world, stopped):
     return message, (code if code > 0 else 128 - code)
 
 
-def _last_error(rank):
-    """The line of `rank`'s tail that names its error, a peer's."""
+def _peer_error(rank):
+    """The last line of `rank`'s tail that says it failed for a peer, or None."""
     for line in reversed(rank.tail):
         if any(marker in line for marker in SECONDARY):
             return line.strip()
-    return "(none printed)"
+    return None

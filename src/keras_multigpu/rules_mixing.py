@@ -24,7 +24,6 @@ from keras_multigpu.rules_gather import (
 
 _MARKED = []  # the user's Layer classes marked with `mixes_rows`, in order
 _MARKED_LAYERS = weakref.WeakSet()  # the user's layers marked one by one (a Lambda)
-_GATHERED = GATHERED
 
 
 def mixes_rows(cls):
@@ -136,7 +135,7 @@ def _on_the_batch(replica):
     k, start = replica.k, replica.start
     replica.k, replica.start = replica.n, 0
     try:
-        with switched_on(_GATHERED):
+        with switched_on(GATHERED):
             yield
     finally:
         replica.k, replica.start = k, start
@@ -152,7 +151,7 @@ def unmarked_product(replica, original, x1, x2):
     asked once per trace. An eager replica's (torch) are its k rows, of two or more, in
     operands that are not weights (`_weight`): a vote at each product, every Dense layer's
     included, would cost too much, so an operand of k rows by chance warns too."""
-    if not getattr(_GATHERED, "on", False):
+    if not getattr(GATHERED, "on", False):
         kind = _product_of_rows(replica, x1, x2)
         if kind:
             warnings.warn(

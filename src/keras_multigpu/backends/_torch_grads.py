@@ -43,8 +43,7 @@ def backward(replica, original, tensors, *args, **kwargs):
         return original(tensors, *args, **kwargs)  # the buckets weigh it by k / n
     params, leaves = _leaves(tensors)  # read before the pass, which frees the graph
     before = [None if leaf.grad is None else leaf.grad.clone() for leaf in leaves]
-    with _few_rows(replica):
-        result = original(tensors, *args, **kwargs)
+    result = original(tensors, *args, **kwargs)
     grads = [p.grad for p in params if p.grad is not None]
     with torch.no_grad():
         for g, s in zip(grads, weighed_sums(replica, grads)):
@@ -78,8 +77,7 @@ def grad(replica, original, outputs, inputs, *args, **kwargs):
     targets = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
     summed = all([sums_rows(replica, rules.unscaled(replica, t))  # every process votes
                   for t in targets])
-    with _few_rows(replica):
-        grads = original(outputs, inputs, *args, **kwargs)
+    grads = original(outputs, inputs, *args, **kwargs)
     if summed:  # this process's part of one device's sum, times n / k (as `backward` scales)
         grads = [None if g is None else g * rules.share(replica, g.dtype) for g in grads]
     if not all(params):  # one device's mean divides by the batch's rows: k / n of this one's
@@ -95,7 +93,8 @@ def _few_rows(replica):
     several, with a note that says why one device, with all of them, has none: torch's
     Conv2D differentiated twice (a gradient penalty) fails on a batch of one row, in plain
     torch too, and Keras's torch `segment_sum` on none (its `num_segments=0` is taken for
-    one not given). Around the whole step (`run_step`), and each backward pass in it."""
+    one not given). Around the whole step (`run_step`), its backward passes included;
+    noted once, however it nests."""
     try:
         yield
     except (RuntimeError, ValueError, IndexError) as error:
