@@ -2,6 +2,7 @@
 engine (on torch, each test runs in TORCH_WORLD processes; see conftest)."""
 
 import gc
+import warnings
 import weakref
 
 import keras
@@ -109,6 +110,38 @@ def test_steps_per_execution_equals_one_device(dense_model):
     assert parallel.steps_per_execution == (1 if keras.backend.backend() == "tensorflow" else 3)
     assert_weights_close(reference.get_weights(), template.get_weights())
     assert_history_close(ref_history, history)
+
+
+@pytest.mark.ranks(1)
+def test_steps_per_execution_on_one_device_is_keras_own(dense_model):
+    """One device runs as plain Keras, multi-step loop included (on TensorFlow, without a
+    strategy): the same weights, no warning, and the batch hooks at the same steps (Keras
+    3.15's torch trainer refuses it: so does the wrapper)."""
+    x, y = classification_data(100)
+    seen = {}
+
+    def hooks(name):
+        return keras.callbacks.LambdaCallback(
+            on_train_batch_end=lambda batch, logs: seen.setdefault(name, []).append(batch))
+
+    reference = compile_sgd(dense_model(), steps_per_execution=4)
+    template = dense_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        parallel = compile_sgd(kmg.multi_gpu_model(template, gpus=1), steps_per_execution=4)
+    try:
+        reference.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0,
+                      callbacks=[hooks("one")])
+    except ValueError as refused:
+        assert keras.backend.backend() == "torch", refused
+        with pytest.raises(ValueError, match="steps_per_execution` must be 1"):
+            parallel.fit(x, y, batch_size=10, epochs=1, verbose=0)
+        return
+    parallel.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0,
+                 callbacks=[hooks("wrapped")])
+    assert parallel.steps_per_execution == 4
+    assert seen["wrapped"] == seen["one"], seen
+    assert_weights_close(reference.get_weights(), template.get_weights())
 
 
 @pytest.mark.parametrize("num_samples, batch_size, gpus", [(9, 4, 8), (1, 1, 3)])

@@ -180,10 +180,8 @@ class ParallelModel(Calls, TemplateFace, keras.Model):
         several: a GAN's `d_optimizer` and `g_optimizer`)."""
         optimizers = _optimizers(self.template)
         variables = list(self.template.variables) + list(self.metrics_variables)
-        for optimizer in optimizers:
-            # Includes the iteration count and learning rate, which exist
-            # before the optimizer is built (a wrapper's include its inner one's).
-            variables += list(optimizer.variables)
+        for optimizer in optimizers:  # iterations and learning rate, built or not (a
+            variables += list(optimizer.variables)  # wrapper's hold its inner one's)
         return list({id(v): v for v in variables}.values()), optimizers
 
     def _replicate_state(self):
@@ -307,12 +305,14 @@ class ParallelModel(Calls, TemplateFace, keras.Model):
         for optimizer in _optimizers(template):
             _check_gradient_accumulation(optimizer)
         steps = template.steps_per_execution
-        if steps > 1 and not backends.has(self._backend, "multi_step"):
+        if steps > 1 and not backends.has(self._backend, "multi_step") and (
+                not backends.has(self._backend, "lone_multi_step")
+                or self._backend.steps_per_execution(self._distribution, steps) == 1):
             warnings.warn(
-                f"steps_per_execution={steps} runs as 1 on the {keras.backend.backend()} "
-                "engine: Keras's multi-step loop fails under tf.distribute (keras-team/keras"
-                "#19246, \"You must feed a value for placeholder tensor\"). The results are the "
-                "same; callbacks' batch hooks run after every step.", stacklevel=3)
+                f"steps_per_execution={steps} runs as 1 on {self.num_replicas} "
+                f"{keras.backend.backend()} device(s): Keras's multi-step loop fails under "
+                "tf.distribute (keras-team/keras#19246). The results are the same; callbacks' "
+                "batch hooks run after every step.", stacklevel=3)
             steps = 1
         with self._scope():
             super().compile(

@@ -98,7 +98,10 @@ would (the `check` test in tests/test_backends.py holds every engine to this):
   (`keras_multigpu.launch.relaunch`).
 - "multi_step": Keras's `steps_per_execution` above 1 runs as Keras runs it;
   without it (TensorFlow: Keras's multi-step loop fails under tf.distribute,
-  keras-team/keras#19246) the steps run one per execution, with a warning.
+  keras-team/keras#19246) the steps run one per execution, with a warning, unless
+  the engine has "lone_multi_step": `steps_per_execution(distribution, wanted)`, the
+  steps per execution it runs (TensorFlow: `wanted` on one device without a strategy,
+  as plain Keras; else 1).
 - "whole_batch": the model's own step sees the whole global batch (JAX's one SPMD
   program), so state shaped by a fixed batch (a stateful RNN's) is one device's; without it
   each replica's step sees its share, and a model with such state is refused on several
@@ -152,6 +155,7 @@ CAPABILITY_NAMES = {
     "batch_spec": ("batch_spec",),
     "process_per_device": (),
     "multi_step": (),
+    "lone_multi_step": ("steps_per_execution",),
     "metric_shares": ("global_metric_state", "local_metric_state"),
     "whole_batch": (),
     "text": (),

@@ -69,7 +69,8 @@ from keras_multigpu.devices import (
 
 # What this engine does beyond the seam's common names (see `keras_multigpu.backends`).
 CAPABILITIES = frozenset({"cpu_devices", "check_model", "release", "batch_spec", "recompile",
-                          "text", "xla_draws", "copies", "collective_errors"})
+                          "text", "xla_draws", "copies", "collective_errors",
+                          "lone_multi_step"})
 
 
 def configure_cpu_devices(count):
@@ -159,6 +160,13 @@ def _framework_default(devices):
         return False
     gpus = tf.config.list_logical_devices("GPU")
     return devices[0].kind == ("gpu" if gpus else "cpu")
+
+
+def steps_per_execution(distribution, wanted):
+    """The steps per execution for a model whose own is `wanted`: as asked without a
+    strategy (plain Keras's path); else 1, for Keras's multi-step loop fails under
+    tf.distribute (keras-team/keras#19246)."""
+    return wanted if _is_default(distribution.strategy) else 1
 
 
 def jit_compile(distribution, wanted):
