@@ -433,14 +433,20 @@ def test_a_full_disk_names_the_checkpoint_and_keeps_the_earlier_ones(tmp_path, m
 def test_a_checkpoint_of_other_data_is_refused(tmp_path):
     _, parallel = _model()
     parallel.fit(*DATA, batch_size=8, epochs=1, verbose=0, callbacks=[Checkpoint(tmp_path)])
-    with pytest.raises(CheckpointError, match=r"5 steps per epoch \(batch_size=8\); this fit "
-                                              r"has 3 \(batch_size=16\)"):
+    with pytest.raises(CheckpointError, match=r"5 steps per epoch \(batch_size=8, 40 rows\); "
+                                              r"this fit has 3 \(batch_size=16, 40 rows\)"):
         parallel.fit(*DATA, batch_size=16, epochs=2, verbose=0,
                      callbacks=[Checkpoint(tmp_path)])
     # Another batch size of as many steps (40 rows in 5 batches of 9): resumed before.
-    with pytest.raises(CheckpointError, match=r"5 steps per epoch \(batch_size=8\); this fit "
-                                              r"has 5 \(batch_size=9\)"):
+    with pytest.raises(CheckpointError, match=r"5 steps per epoch \(batch_size=8, 40 rows\); "
+                                              r"this fit has 5 \(batch_size=9, 40 rows\)"):
         parallel.fit(*DATA, batch_size=9, epochs=2, verbose=0,
+                     callbacks=[Checkpoint(tmp_path)])
+    # Other data of as many steps of as many rows (39 rows in 5 batches of 8): resumed before,
+    # with a warning that blamed the seed.
+    with pytest.raises(CheckpointError, match=r"5 steps per epoch \(batch_size=8, 40 rows\); "
+                                              r"this fit has 5 \(batch_size=8, 39 rows\)"):
+        parallel.fit(*(a[:39] for a in DATA), batch_size=8, epochs=2, verbose=0,
                      callbacks=[Checkpoint(tmp_path)])
 
 

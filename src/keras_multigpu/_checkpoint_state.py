@@ -126,9 +126,10 @@ def _checked_state(state):
             raise CheckpointError(f"state.json has no {key!r}")
         if isinstance(state[key], bool) or not isinstance(state[key], kind):
             raise CheckpointError(f"state.json's {key!r} is {state[key]!r}")
-    size = state.get("batch_size")  # (absent from checkpoints written before it was kept)
-    if size is not None and (isinstance(size, bool) or not isinstance(size, int)):
-        raise CheckpointError(f"state.json's 'batch_size' is {size!r}")
+    for key in ("batch_size", "rows"):  # (absent from checkpoints written before they were)
+        size = state.get(key)
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int)):
+            raise CheckpointError(f"state.json's {key!r} is {size!r}")
     for key in ("epoch", "step", "global_step"):
         if state[key] < 0:
             raise CheckpointError(f"state.json's {key!r} is {state[key]}")
@@ -153,6 +154,13 @@ def _batch_size(dataset):
     return size if isinstance(size, int) and not isinstance(size, bool) else None
 
 
+def _rows(dataset):
+    """The rows of the arrays `fit` runs on (after `validation_split`); None where its
+    input is not arrays (a generator's, a PyDataset's, tf.data's)."""
+    arrays = getattr(dataset, "arrays", None) if dataset is not None else None
+    return None if arrays is None else len(keras.tree.flatten(arrays)[0])
+
+
 class CheckpointState:
     """`Checkpoint`'s state: `_state` (to save) and `_restore`."""
 
@@ -172,6 +180,7 @@ class CheckpointState:
             "epoch": int(epoch), "step": int(step), "global_step": int(self._global),
             "num_batches": None if whole is None else int(whole),
             "batch_size": _batch_size(dataset),
+            "rows": _rows(dataset),
             "replicas": model.num_replicas,
             "optimizers": _optimizer_names(model.template),
             "optimizer_weights": _optimizer_weights(model.template),
@@ -205,11 +214,16 @@ class CheckpointState:
         have = _epoch_batches(dataset)
         # (A checkpoint written before it kept its batch size: the steps alone.)
         size, my_size = state.get("batch_size"), _batch_size(dataset)
-        if batches != have or None not in (size, my_size) and size != my_size:
+        rows, my_rows = state.get("rows"), _rows(dataset)
+        if batches != have or any(None not in pair and pair[0] != pair[1]
+                                  for pair in ((size, my_size), (rows, my_rows))):
+            def said(size, rows):
+                return f"batch_size={size}" + ("" if rows is None else f", {rows} rows")
+
             raise CheckpointError(
                 f"Checkpoint {path} was written by a run with {batches} steps per epoch "
-                f"(batch_size={size}); this fit has {have} (batch_size={my_size}). Resume "
-                "with the same data and batch_size, or pass resume=False (or another "
+                f"({said(size, rows)}); this fit has {have} ({said(my_size, my_rows)}). "
+                "Resume with the same data and batch_size, or pass resume=False (or another "
                 "directory) to start afresh."
             )
         optimizer = getattr(template, "optimizer", None)

@@ -268,10 +268,10 @@ class Feed(data_adapters.data_adapter.DataAdapter):
         drawn = self._served[:len(expected)]
         if not all(np.array_equal(a, b) for a, b in zip(drawn, expected)):
             warnings.warn(
-                "The resumed epoch's data order differs from the checkpoint's: the "
-                "generators it was drawn from could not be restored (set a seed, e.g. "
-                "keras.utils.set_random_seed, before building the model). Its remaining "
-                "batches come in this run's order.",
+                "The resumed epoch's data order differs from the checkpoint's: its data or "
+                "`shuffle` differ from the run that wrote it, or the generators it was drawn "
+                "from could not be restored (set a seed, e.g. keras.utils.set_random_seed, "
+                "before building the model). Its remaining batches come in this run's order.",
                 stacklevel=4,
             )
 
