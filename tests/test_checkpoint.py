@@ -239,6 +239,29 @@ def test_a_damaged_checkpoint_is_named_and_the_one_before_is_used(tmp_path):
     assert warning.filename == __file__  # shown at the `fit` call, not in the library
 
 
+def test_damaged_weights_inside_a_whole_archive_are_named_and_the_one_before_is_used(
+        tmp_path):
+    """model.keras rewritten whole (its checksums pass) around a damaged weights file: the
+    resume stopped with "does not fit this model", where the checkpoint before was whole."""
+    import zipfile
+
+    _, parallel = _model()
+    parallel.fit(*DATA, batch_size=8, epochs=2, verbose=0,
+                 callbacks=[Checkpoint(tmp_path, keep=5)])
+    newest = tmp_path / "ckpt-000000010" / "model.keras"
+    with zipfile.ZipFile(newest) as archive:
+        members = {name: archive.read(name) for name in archive.namelist()}
+    members["model.weights.h5"] = np.random.RandomState(0).bytes(
+        len(members["model.weights.h5"]))
+    with zipfile.ZipFile(newest, "w") as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+    checkpoint = Checkpoint(tmp_path, keep=5)
+    with pytest.warns(UserWarning, match="ckpt-000000010 cannot be read: .*damaged"):
+        parallel.fit(*DATA, batch_size=8, epochs=2, verbose=0, callbacks=[checkpoint])
+    assert checkpoint.resumed_from == str(tmp_path / "ckpt-000000005")
+
+
 def test_a_generator_with_steps_per_epoch_saves_at_epoch_ends(tmp_path):
     """A generator's epoch has no known length: each batch's end failed with a TypeError
     (None + int)."""

@@ -8,6 +8,7 @@ import shutil
 import warnings
 import zipfile
 
+import h5py
 import keras
 import numpy as np
 
@@ -212,6 +213,8 @@ class Checkpoint(CheckpointState, keras.callbacks.Callback):
                     raise CheckpointError(f"model.keras: {bad} fails its checksum")
                 if "model.weights.h5" not in archive.namelist():
                     raise CheckpointError("model.keras holds no model.weights.h5")
+                with archive.open("model.weights.h5") as weights, h5py.File(weights) as h5:
+                    h5.visit(lambda name: None)  # HDF5's own structure, read whole
         except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as error:
             raise CheckpointError(
                 f"Checkpoint {path} cannot be read: {type(error).__name__}: {error}. It is "
