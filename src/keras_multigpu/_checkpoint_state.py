@@ -181,6 +181,7 @@ class CheckpointState:
             "num_batches": None if whole is None else int(whole),
             "batch_size": _batch_size(dataset),
             "rows": _rows(dataset),
+            "backend": keras.backend.backend(),
             "replicas": model.num_replicas,
             "optimizers": _optimizer_names(model.template),
             "optimizer_weights": _optimizer_weights(model.template),
@@ -226,6 +227,11 @@ class CheckpointState:
                 "Resume with the same data and batch_size, or pass resume=False (or another "
                 "directory) to start afresh."
             )
+        if state.get("backend", keras.backend.backend()) != keras.backend.backend():
+            warnings.warn(
+                f"Checkpoint {path} was written on Keras's {state['backend']} backend; this "
+                f"run is on {keras.backend.backend()}, whose random draws (dropout, "
+                "shuffling of a tf.data) differ: the resume is not exact.", stacklevel=2)
         optimizer = getattr(template, "optimizer", None)
         written, mine = state.get("optimizers"), _optimizer_names(template)
         if written is not None and written != mine:
