@@ -10,7 +10,7 @@ import warnings
 import keras
 import numpy as np
 
-from keras_multigpu import backends, batching
+from keras_multigpu import backends, batching, processes
 from keras_multigpu._checks import _optimizers
 from keras_multigpu._io import without_values
 from keras_multigpu._keras import global_state, io_utils, seed_generator
@@ -154,11 +154,21 @@ def _batch_size(dataset):
     return size if isinstance(size, int) and not isinstance(size, bool) else None
 
 
+def _outside_stacklevel():
+    """The `stacklevel` of the caller's first frame outside this package and Keras (the
+    user's `fit`), for a warning raised in the function that calls this."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in (
+            "keras_multigpu", "keras"):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def _rows(dataset):
     """The rows of the arrays `fit` runs on (after `validation_split`); None where its
     input is not arrays (a generator's, a PyDataset's, tf.data's)."""
     arrays = getattr(dataset, "arrays", None) if dataset is not None else None
-    return None if arrays is None else len(keras.tree.flatten(arrays)[0])
+    return None if arrays is None else batching._num_rows(arrays[0], "x")  # (SciPy's too)
 
 
 class CheckpointState:
@@ -227,11 +237,13 @@ class CheckpointState:
                 "Resume with the same data and batch_size, or pass resume=False (or another "
                 "directory) to start afresh."
             )
-        if state.get("backend", keras.backend.backend()) != keras.backend.backend():
+        if state.get("backend", keras.backend.backend()) != keras.backend.backend() and (
+                processes.rank() == 0):
             warnings.warn(
                 f"Checkpoint {path} was written on Keras's {state['backend']} backend; this "
-                f"run is on {keras.backend.backend()}, whose random draws (dropout, "
-                "shuffling of a tf.data) differ: the resume is not exact.", stacklevel=2)
+                f"run is on {keras.backend.backend()}, whose random draws differ (dropout and "
+                "noise masks; on TensorFlow, the shuffled arrays' order): the resume is not "
+                "exact.", stacklevel=_outside_stacklevel())
         optimizer = getattr(template, "optimizer", None)
         written, mine = state.get("optimizers"), _optimizer_names(template)
         if written is not None and written != mine:

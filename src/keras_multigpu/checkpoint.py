@@ -82,7 +82,8 @@ class Checkpoint(CheckpointState, keras.callbacks.Callback):
       optimizers' classes and the weights each was built on (a GAN's own, which
       their first step builds, are built so before their state loads), the
       generators the data order is drawn from (as the
-      epoch started) and Python's and NumPy's global generators;
+      epoch started) and Python's and NumPy's global generators; the batch
+      size, the rows of arrays, the replica count and the Keras backend;
     - `arrays.npz`: the epoch's data order as read so far, the states of the
       model's `SeedGenerator`s (Dropout masks, noise) and of the metrics.
 
@@ -215,7 +216,8 @@ class Checkpoint(CheckpointState, keras.callbacks.Callback):
                     raise CheckpointError("model.keras holds no model.weights.h5")
                 with archive.open("model.weights.h5") as weights, h5py.File(weights) as h5:
                     h5.visit(lambda name: None)  # HDF5's own structure, read whole
-        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as error:
+        except (OSError, ValueError, KeyError, EOFError, RuntimeError,  # (h5py's unmapped)
+                zipfile.BadZipFile) as error:
             raise CheckpointError(
                 f"Checkpoint {path} cannot be read: {type(error).__name__}: {error}. It is "
                 "truncated or damaged (a crash while it was copied, a full disk?)."
@@ -370,9 +372,10 @@ class Checkpoint(CheckpointState, keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         offset = self._offset if self._epoch == self._resumed_epoch else 0
-        self._in_epoch = batch + 1 + offset
-        self._global = self._epoch_start_global + self._in_epoch
         whole = self._whole()
+        # (Keras's multi-step loop names its last, short run's step as a whole run's.)
+        self._in_epoch = min(batch + 1 + offset, whole or batch + 1 + offset)
+        self._global = self._epoch_start_global + self._in_epoch
         if (self.every_steps and self._global % self.every_steps == 0
                 and self._in_epoch != whole):
             self.save(self._epoch, self._in_epoch)

@@ -304,16 +304,16 @@ class ParallelModel(Calls, TemplateFace, keras.Model):
             return
         for optimizer in _optimizers(template):
             _check_gradient_accumulation(optimizer)
-        steps = template.steps_per_execution
-        if steps > 1 and not backends.has(self._backend, "multi_step") and (
-                not backends.has(self._backend, "lone_multi_step")
-                or self._backend.steps_per_execution(self._distribution, steps) == 1):
+        steps = wanted = template.steps_per_execution
+        if steps > 1 and not backends.has(self._backend, "multi_step"):
+            steps = (self._backend.steps_per_execution(self._distribution, steps) if
+                     backends.has(self._backend, "lone_multi_step") else 1)
+        if steps != wanted:
             warnings.warn(
-                f"steps_per_execution={steps} runs as 1 on {self.num_replicas} "
-                f"{keras.backend.backend()} device(s): Keras's multi-step loop fails under "
-                "tf.distribute (keras-team/keras#19246). The results are the same; callbacks' "
-                "batch hooks run after every step.", stacklevel=3)
-            steps = 1
+                f"steps_per_execution={wanted} runs as {steps} on {self.num_replicas} "
+                f"{keras.backend.backend()} device(s) under tf.distribute (all but the default "
+                "device alone), whose multi-step loop fails (keras-team/keras#19246). The "
+                "results are the same; callbacks' batch hooks run after every step.", stacklevel=3)
         with self._scope():
             super().compile(
                 optimizer=template.optimizer,
