@@ -127,9 +127,9 @@ def _checked_state(state):
         if isinstance(state[key], bool) or not isinstance(state[key], kind):
             raise CheckpointError(f"state.json's {key!r} is {state[key]!r}")
     for key in ("batch_size", "rows"):  # (absent from checkpoints written before they were)
-        size = state.get(key)
-        if size is not None and (isinstance(size, bool) or not isinstance(size, int)):
-            raise CheckpointError(f"state.json's {key!r} is {size!r}")
+        value = state.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise CheckpointError(f"state.json's {key!r} is {value!r}")
     for key in ("epoch", "step", "global_step"):
         if state[key] < 0:
             raise CheckpointError(f"state.json's {key!r} is {state[key]}")

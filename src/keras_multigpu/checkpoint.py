@@ -3,6 +3,7 @@ from it when `fit` starts. Each checkpoint is a folder written whole or not at a
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import warnings
@@ -374,7 +375,7 @@ class Checkpoint(CheckpointState, keras.callbacks.Callback):
         offset = self._offset if self._epoch == self._resumed_epoch else 0
         whole = self._whole()
         # (Keras's multi-step loop names its last, short run's step as a whole run's.)
-        self._in_epoch = min(batch + 1 + offset, whole or batch + 1 + offset)
+        self._in_epoch = min(batch + 1 + offset, whole or math.inf)
         self._global = self._epoch_start_global + self._in_epoch
         if (self.every_steps and self._global % self.every_steps == 0
                 and self._in_epoch != whole):
